@@ -1,0 +1,297 @@
+"""The plumbing every stage repeats, so that the stages themselves show only their algorithm.
+
+Distributed setup and teardown, config dataclass -> command-line flags, rank-0 logging to stdout and
+metrics.jsonl, atomic writes, resumable checkpoints in safetensors + JSON, the learning-rate schedule,
+and the measured matmul peak used for MFU. Imports nothing from the project.
+"""
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+# -----------------------------------------------------------------------------
+# distributed
+
+
+@dataclass
+class Dist:
+    rank: int  # global rank, 0 in a single process
+    local_rank: int  # rank on this machine: picks the GPU
+    world: int  # number of processes
+    device: torch.device
+    is_main: bool  # rank 0: the only rank that prints and writes
+    created: bool  # True if this call created the process group (and so must destroy it)
+
+
+def init_distributed():
+    """Plain torchrun or a single process. Idempotent: a stage that builds a missing earlier stage
+    calls that stage's main(), which finds the process group already there and reuses it."""
+    if "RANK" not in os.environ:  # `python x.py`: one process, no process group
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return Dist(0, 0, 1, device, True, False)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:  # N ranks on one CPU share its cores; oversubscribed threads run many times slower
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return Dist(rank, local_rank, dist.get_world_size(), device, rank == 0, created)
+
+
+def teardown(d):
+    if d.created:
+        dist.destroy_process_group()
+
+
+def barrier(d):
+    if d.world > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(t, d):
+    """Sum a tensor over ranks in place (a no-op in one process) and return it."""
+    if d.world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def main_decides(flag, d):
+    """Rank 0's boolean, on every rank. Used before collective work that depends on the file system
+    (is a stage's output there?): ranks that looked at different moments must not disagree."""
+    t = torch.tensor([int(bool(flag))], device=d.device)
+    if d.world > 1:
+        dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def require_stage(path, default, build, command, d, log):
+    """DESIGN.md's contract: with the default path a missing input is built by the earlier stage with
+    its defaults (and the log says so); with an explicit path a missing input is an error naming it."""
+    if main_decides(os.path.exists(path), d):
+        return
+    if os.path.normpath(path) != os.path.normpath(default):
+        raise SystemExit(f"error: {path} does not exist (it was passed explicitly, so it is not built)")
+    log(f"{path} is missing: building it now, as `{command}` would")
+    build()
+
+
+# -----------------------------------------------------------------------------
+# config dataclass -> argparse
+
+
+def parse_config(cls, argv=None, doc=None):
+    """One flag per field (`--beta 0.1`, `--compile/--no-compile`); --help shows each field's trailing
+    comment, read from the dataclass source, so the comment and the help can't drift apart."""
+    src = inspect.getsource(cls)
+    helps = dict(re.findall(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#\s*(.*)$", src, re.M))
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(cls):
+        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        h = f"{helps.get(f.name, '')} (default: {f.default})"
+        if isinstance(f.default, bool):
+            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        else:
+            p.add_argument(*names, dest=f.name, type=type(f.default), default=f.default, help=h, metavar="")
+    return cls(**vars(p.parse_args(argv)))
+
+
+def check(ok, msg):
+    """A user's mistake ends the run with one clear line, not a traceback."""
+    if not ok:
+        raise SystemExit(f"error: {msg}")
+
+
+def split_batch(batch_size, micro_batch_size, world):
+    """Global batch = world x accumulation steps x micro-batch; returns the accumulation steps.
+    micro_batch_size is an upper bound (a rank with fewer rows runs them in one forward), so the same
+    defaults work on 1 or 8 ranks. Derived and checked, never rewritten; the caller prints it."""
+    check(batch_size % world == 0, f"--batch_size {batch_size} is not divisible by the {world} ranks")
+    per_rank = batch_size // world
+    check(per_rank % min(micro_batch_size, per_rank) == 0,
+          f"--batch_size {batch_size} over {world} ranks is {per_rank} rows per rank, "
+          f"not a multiple of --micro_batch_size {micro_batch_size}")
+    return per_rank // min(micro_batch_size, per_rank)
+
+
+# -----------------------------------------------------------------------------
+# logging
+
+
+def fmt_duration(s):
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Logger:
+    """Rank 0 prints one ` | `-separated line per logged step and appends the same numbers, under
+    the same names, to metrics.jsonl. Other ranks stay silent."""
+
+    def __init__(self, out_dir, d, resume_step=0):
+        self.is_main, self.t0, self.step0 = d.is_main, time.time(), resume_step
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        if not self.is_main:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        kept = []  # a resumed run drops the lines logged after its checkpoint, so no step appears twice
+        if resume_step > 0 and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+
+    def print(self, *args):
+        if self.is_main:
+            print(*args, flush=True)
+
+    def log(self, step, total, metrics):
+        if not self.is_main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        done = step - self.step0
+        eta = (time.time() - self.t0) / max(done, 1) * (total - step)
+        parts = [f"step {step}/{total}"] + [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in metrics.items()]
+        print(" | ".join(parts + [f"eta {fmt_duration(eta)}"]), flush=True)
+
+
+# -----------------------------------------------------------------------------
+# atomic writes and checkpoints
+
+
+def atomic_write_json(path, obj):
+    """Write to a temp file, then rename: a crash never leaves a half-written file behind."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def unique_state(module):
+    """state_dict without aliases: tied weights (lm_head = wte) are stored once; load_state_dict with
+    strict=False refills the alias through the shared Parameter."""
+    out, seen = {}, set()
+    for k, v in module.state_dict().items():
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            out[k] = v.detach().contiguous().cpu()
+    return out
+
+
+def save_checkpoint(ckpt_dir, step, parts, state):
+    """One safetensors file per checkpoint holding every module and optimizer in `parts`
+    ({"model": raw_model, "optim": optimizer, ...}; a plain tensor is stored as is), plus JSON `state`
+    (config, counters). latest.json is renamed into place last, so a crash at any moment leaves the
+    previous checkpoint intact and pointed to; older files are deleted only after that."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    tensors, meta = {}, {"step": step, "state": state, "optim": {}}
+    for name, obj in parts.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            sd = obj.state_dict()
+            for i, s in sd["state"].items():
+                for k, v in s.items():
+                    tensors[f"{name}/{i}/{k}"] = torch.as_tensor(v).detach().contiguous().cpu()
+            meta["optim"][name] = sd["param_groups"]
+        elif isinstance(obj, torch.Tensor):
+            tensors[f"{name}"] = obj.detach().contiguous().cpu()
+        else:
+            tensors.update({f"{name}/{k}": v for k, v in unique_state(obj).items()})
+    fname = f"step-{step:07d}.safetensors"
+    save_file(tensors, os.path.join(ckpt_dir, fname + ".tmp"), metadata={"json": json.dumps(meta)})
+    os.replace(os.path.join(ckpt_dir, fname + ".tmp"), os.path.join(ckpt_dir, fname))
+    atomic_write_json(os.path.join(ckpt_dir, "latest.json"), {"file": fname, "step": step})
+    for old in os.listdir(ckpt_dir):
+        if old.startswith("step-") and old != fname:
+            os.remove(os.path.join(ckpt_dir, old))
+
+
+def checkpoint_state(ckpt_dir):
+    """The JSON state saved with the latest checkpoint, with its "step" added; None if there is none."""
+    latest = os.path.join(ckpt_dir, "latest.json")
+    if not os.path.exists(latest):
+        return None
+    with open(latest) as f:
+        fname = json.load(f)["file"]
+    with safe_open(os.path.join(ckpt_dir, fname), "pt") as f:
+        meta = json.loads(f.metadata()["json"])
+    return {**meta["state"], "step": meta["step"]}
+
+
+def load_checkpoint(ckpt_dir, parts, device):
+    """Fill `parts` (same names as at save) from the latest checkpoint; returns (step, state).
+    Plain tensors in `parts` are replaced: read them back from the returned dict's "tensors"."""
+    with open(os.path.join(ckpt_dir, "latest.json")) as f:
+        fname = json.load(f)["file"]
+    path = os.path.join(ckpt_dir, fname)
+    tensors = load_file(path, device="cpu")
+    with safe_open(path, "pt") as f:
+        meta = json.loads(f.metadata()["json"])
+    loose = {}
+    for name, obj in parts.items():
+        sub = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + "/")}
+        if isinstance(obj, torch.optim.Optimizer):
+            state = {}
+            for k, v in sub.items():
+                i, key = k.split("/")
+                state.setdefault(int(i), {})[key] = v if key != "step" else v.float()
+            obj.load_state_dict({"state": state, "param_groups": meta["optim"][name]})
+        elif isinstance(obj, torch.Tensor):
+            loose[name] = tensors[name]
+        else:
+            missing, unexpected = obj.load_state_dict(sub, strict=False)
+            aliases = {k for k, v in obj.state_dict().items() if k not in sub}
+            check(not unexpected and set(missing) <= aliases, f"{path}: {name} does not match the model "
+                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+            obj.to(device)
+    return meta["step"], {**meta["state"], "tensors": loose}
+
+
+# -----------------------------------------------------------------------------
+# optimisation helpers
+
+
+def lr_at(step, total, lr, warmup, min_lr_frac=0.1):
+    """Linear warmup, then cosine decay to min_lr_frac * lr (min_lr_frac=1: constant after warmup)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return lr * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def autocast(device):
+    """bf16 autocast on CUDA (matmuls in bf16, reductions in fp32); plain fp32 on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def measure_peak_flops(device, n=None, reps=5):
+    """The device's dense matmul throughput, measured once at start: MFU = model FLOPs / this. Measured
+    rather than read from a spec sheet, so the number is honest on any CPU or GPU (bf16 on CUDA)."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t)

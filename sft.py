@@ -1,0 +1,190 @@
+"""Stage 1: train the reference policy π_ref on the task's text (supervised fine-tuning).
+
+    python sft.py                          # one process, CPU or one GPU, the built-in task
+    torchrun --nproc_per_node=8 sft.py     # plain DDP over 8 ranks (nccl on GPUs, gloo on CPUs)
+    python sft.py --help                   # every flag, e.g. --train_text my.txt --tokenizer gpt2/tokenizer.json
+
+Writes out/sft/: model.safetensors (π_ref, where DPO and PPO both start), tokenizer.json, metrics.jsonl,
+eval.json (val loss beside the task's entropy floor) and a resumable checkpoint in ckpt/.
+"""
+import json
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import data
+from model import GPT, GPTConfig, estimate_flops, import_gpt2, save_model, token_logprobs
+from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, check, checkpoint_state, init_distributed,
+                      load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
+                      save_checkpoint, split_batch, teardown)
+
+
+@dataclass
+class Config:
+    out_dir: str = "out/sft"  # this stage's folder: model, tokenizer, metrics, eval, checkpoint
+    train_text: str = "out/task/sft_train.txt"  # one text per line; the default task is built if missing
+    val_text: str = "out/task/sft_val.txt"  # held-out texts for the val loss
+    tokenizer: str = "out/task/tokenizer.json"  # any tokenizer.json (GPT-2's too); PAD is added if absent
+    init_from: str = ""  # "" = GPT-2 init from scratch, or a Hugging Face GPT-2 model.safetensors
+    block_size: int = 64  # longest sequence in tokens; longer texts are cut from the right and counted
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads per block
+    n_embd: int = 64  # residual stream width (64 reaches ~0.03 nats of the task's floor)
+    dropout: float = 0.0  # off: the task has ample data, and it keeps ranks bit-comparable
+    steps: int = 400  # optimizer steps
+    batch_size: int = 32  # global batch in texts per step, all ranks together
+    micro_batch_size: int = 32  # texts per forward on one rank; accumulation is derived from it
+    lr: float = 3e-3  # peak AdamW learning rate
+    warmup: int = 30  # linear warmup steps, then cosine decay
+    min_lr_frac: float = 0.1  # cosine ends at this fraction of lr
+    weight_decay: float = 0.1  # AdamW decay on matrices only (not biases, LayerNorms, positions)
+    grad_clip: float = 1.0  # max global grad norm
+    eval_every: int = 100  # steps between val-loss evaluations
+    ckpt_every: int = 200  # steps between checkpoints (and one at the end)
+    seed: int = 1337  # model init and data order
+    compile: bool = False  # torch.compile the model (worth it on CUDA)
+    resume: bool = True  # continue from out_dir/ckpt if it holds this same config
+    stop_after: int = 0  # stop after this many steps of this run, checkpointed (0 = run to the end)
+
+
+def build_task(d):
+    """The earlier 'stage' of sft is the built-in task: rank 0 generates it, the others wait."""
+    if d.is_main:
+        data.ensure_task()
+    if d.world > 1:
+        torch.distributed.barrier()
+
+
+@torch.no_grad()
+def val_loss(model, examples, cfg, d, pad):
+    """Mean NLL per predicted token over all val texts, each rank taking every world-th text."""
+    model.eval()
+    nll, n = torch.zeros(2, device=d.device).unbind(0)
+    mine = examples[d.rank::d.world]
+    for i in range(0, len(mine), cfg.micro_batch_size):
+        x, y = data.collate([(e["prompt"], e["response"]) for e in mine[i:i + cfg.micro_batch_size]], pad)
+        x, y = x.to(d.device), y.to(d.device)
+        with autocast(d.device):
+            logp = token_logprobs(model(x), y)
+        nll, n = nll - logp.sum(), n + (y != -100).sum()
+    total = all_reduce_sum(torch.stack([nll, n.float()]), d)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def main(cfg):
+    d = init_distributed()
+    log = Logger(cfg.out_dir, d)
+    # ---- inputs: the task's text and tokenizer, built when the default paths are missing
+    for path, default in [(cfg.train_text, Config.train_text), (cfg.val_text, Config.val_text),
+                          (cfg.tokenizer, Config.tokenizer)]:
+        require_stage(path, default, lambda: build_task(d), "python -c 'import data; data.ensure_task()'",
+                      d, log.print)
+    tok = data.load_tokenizer(cfg.tokenizer)
+    train, stats = data.tokenize_texts(tok, data.read_texts(cfg.train_text), cfg.block_size)
+    val, val_stats = data.tokenize_texts(tok, data.read_texts(cfg.val_text), cfg.block_size)
+    log.print(f"data: {len(train)} train texts ({stats['truncated']} cut to {cfg.block_size} tokens), "
+              f"{len(val)} val texts ({val_stats['truncated']} cut)")
+    check(len(train) >= cfg.batch_size, f"{cfg.train_text} has {len(train)} usable texts, fewer than "
+          f"--batch_size {cfg.batch_size}")
+
+    # ---- model, optimizer, resume
+    torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
+    if cfg.init_from:
+        raw_model = import_gpt2(cfg.init_from, block_size=cfg.block_size)
+        check(raw_model.config.vocab_size >= tok.vocab_size, f"{cfg.init_from} has a vocabulary of "
+              f"{raw_model.config.vocab_size}, smaller than the tokenizer's {tok.vocab_size}")
+    else:
+        raw_model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=tok.vocab_size, n_layer=cfg.n_layer,
+                                  n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
+    raw_model.to(d.device)
+    decay = [p for p in raw_model.parameters() if p.dim() >= 2 and p is not raw_model.transformer.wpe.weight]
+    rest = [p for p in raw_model.parameters() if not any(p is q for q in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    ckpt_dir, start = os.path.join(cfg.out_dir, "ckpt"), 0
+    saved = checkpoint_state(ckpt_dir) if cfg.resume else None
+    if saved is not None:
+        ours = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "stop_after")}
+        theirs = {k: v for k, v in saved["config"].items() if k not in ("resume", "stop_after")}
+        diff = [f"{k} {theirs.get(k)} -> {v}" for k, v in ours.items() if theirs.get(k) != v]
+        check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
+              f"pass --no-resume to start over, or another --out_dir")
+        start, _ = load_checkpoint(ckpt_dir, {"model": raw_model, "optim": opt}, d.device)
+        log = Logger(cfg.out_dir, d, resume_step=start)
+        log.print(f"resuming from {ckpt_dir} at step {start}")
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    if d.world > 1:
+        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
+    peak = measure_peak_flops(d.device)
+    log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | batch "
+              f"{cfg.batch_size} = {d.world} ranks x {accum} accumulation x {cfg.batch_size // d.world // accum} "
+              f"| device {d.device} | "
+              f"peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")
+
+    # ---- training loop
+    end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        batch = data.global_batch(len(train), cfg.batch_size, step, cfg.seed)
+        # Normalise by the global batch's token count, known on every rank, so that the gradient is
+        # the same mean over tokens whatever the world size and accumulation (DDP averages over ranks).
+        n_tok = sum(len(train[i]["response"]) for i in batch)
+        mine, flops, nll = data.rank_slice(batch, d.rank, d.world), 0, torch.zeros((), device=d.device)
+        for m in range(accum):
+            rows = [train[i] for i in mine[m * cfg.micro_batch_size:(m + 1) * cfg.micro_batch_size]]
+            x, y = data.collate([(e["prompt"], e["response"]) for e in rows], tok.pad)
+            x, y = x.to(d.device), y.to(d.device)
+            sync = d.world == 1 or m == accum - 1  # all-reduce only on the last micro-step
+            with (nullcontext() if sync else model.no_sync()), autocast(d.device):
+                logp = token_logprobs(model(x), y)  # (B, T), 0 on prompt and padding
+                (-logp.sum() * d.world / n_tok).backward()
+            nll -= logp.sum().detach()
+            flops += estimate_flops(raw_model.config, *x.shape, backward=True)  # forward + backward
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = all_reduce_sum(nll, d).item() / n_tok  # the global batch's mean NLL per token
+        dt = time.perf_counter() - t0
+        metrics = {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_sec": n_tok / dt,
+                   "mfu": flops / dt / peak, "time/step_ms": 1000 * dt}
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            metrics["val_loss"] = val_loss(model, val, cfg, d, tok.pad)
+        if d.is_main and ((step + 1) % 10 == 0 or "val_loss" in metrics or step == start):
+            log.log(step + 1, cfg.steps, metrics)
+        if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
+            save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt}, {"config": asdict(cfg)})
+    if end < cfg.steps:
+        log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from step {end}")
+        return teardown(d)
+
+    # ---- outputs: π_ref and its evaluation
+    final = val_loss(model, val, cfg, d, tok.pad)
+    if d.is_main:
+        task = os.path.join(os.path.dirname(cfg.val_text), "task.json")
+        floor = None
+        if os.path.abspath(cfg.val_text) == os.path.abspath(Config.val_text) and os.path.exists(task):
+            with open(task) as f:
+                floor = json.load(f).get("floor_nats_per_token")
+        save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
+                   {"stage": "sft", "step": cfg.steps, "val_loss": final, "train_text": cfg.train_text})
+        shutil.copyfile(cfg.tokenizer, os.path.join(cfg.out_dir, "tokenizer.json.tmp"))
+        os.replace(os.path.join(cfg.out_dir, "tokenizer.json.tmp"), os.path.join(cfg.out_dir, "tokenizer.json"))
+        atomic_write_json(os.path.join(cfg.out_dir, "eval.json"), {"val_loss": final, "floor_nats_per_token": floor,
+                          "train_truncated": stats["truncated"], "steps": cfg.steps})
+        gap = f" (the generator's floor is {floor:.4f})" if floor is not None else ""
+        log.print(f"val loss {final:.4f} nats/token{gap}; π_ref saved to {cfg.out_dir}/model.safetensors")
+    teardown(d)
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, doc=__doc__))
