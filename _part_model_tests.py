@@ -247,6 +247,9 @@ def test_gpt2_import_export(tmp_path):
         assert (cfg["n_positions"], cfg["n_ctx"], cfg["tie_word_embeddings"]) == (24, 24, True)
     m = import_gpt2(str(d / "model.safetensors"), block_size=10)  # a shorter context keeps wpe's first rows
     assert torch.equal(m.transformer.wpe.weight, sd["wpe.weight"][:10])
+    m = import_gpt2(str(d / "model.safetensors"), vocab_size=12)  # room for the PAD our tokenizer adds
+    assert m.config.vocab_size == 12 and torch.equal(m.transformer.wte.weight[:11], sd["wte.weight"])
+    assert m.lm_head.weight is m.transformer.wte.weight and m(torch.tensor([[11, 3]])).shape == (1, 2, 12)
 
 
 # On CPU, SDPA runs aten._scaled_dot_product_flash_attention_for_cpu (+ _backward), which torch 2.13's

@@ -272,10 +272,11 @@ def load_model(path, device="cpu"):
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
-def import_gpt2(path, block_size=None):
+def import_gpt2(path, block_size=None, vocab_size=None):
     """GPT from a Hugging Face GPT-2 model.safetensors (keys with or without "transformer."). The config
     comes from the shapes; n_head from the config.json beside it, else n_embd // 64 (the head size of all
-    four released GPT-2s). block_size < n_positions keeps the first rows of the position table."""
+    four released GPT-2s). block_size < n_positions keeps the first rows of the position table.
+    vocab_size > GPT-2's 50257 appends embedding rows (GPT-2 has no PAD; our tokenizer adds it as 50257)."""
     sd = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
     # attn.bias / attn.masked_bias are the causal-mask buffers of older transformers, not weights
     sd = {k: v for k, v in sd.items() if k.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])}
@@ -291,6 +292,9 @@ def import_gpt2(path, block_size=None):
     cfg = GPTConfig(block_size=block_size, vocab_size=V, n_embd=C, n_head=hf.get("n_head", C // 64),
                     n_layer=sum(k.endswith(".ln_1.weight") for k in sd), bias="h.0.attn.c_attn.bias" in sd)
     sd["wpe.weight"] = sd["wpe.weight"][:block_size]
+    if vocab_size and vocab_size > V:  # new rows get GPT-2's init; PAD is only ever read, never predicted
+        extra = torch.randn(vocab_size - V, C, dtype=sd["wte.weight"].dtype) * 0.02
+        sd["wte.weight"], cfg.vocab_size = torch.cat([sd["wte.weight"], extra]), vocab_size
     sd = {"transformer." + k: v.t() if k.endswith(CONV1D) else v for k, v in sd.items()}
     sd["lm_head.weight"] = sd["transformer.wte.weight"]
     model = GPT(cfg)

@@ -96,9 +96,9 @@ def main(cfg):
     # ---- model, optimizer, resume
     torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
     if cfg.init_from:
-        raw_model = import_gpt2(cfg.init_from, block_size=cfg.block_size)
-        check(raw_model.config.vocab_size >= tok.vocab_size, f"{cfg.init_from} has a vocabulary of "
-              f"{raw_model.config.vocab_size}, smaller than the tokenizer's {tok.vocab_size}")
+        raw_model = import_gpt2(cfg.init_from, block_size=cfg.block_size, vocab_size=tok.vocab_size)
+        check(raw_model.config.vocab_size == tok.vocab_size, f"{cfg.init_from} has a vocabulary of "
+              f"{raw_model.config.vocab_size}, larger than the tokenizer's {tok.vocab_size}: the wrong tokenizer?")
     else:
         raw_model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=tok.vocab_size, n_layer=cfg.n_layer,
                                   n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
