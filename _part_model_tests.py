@@ -14,7 +14,7 @@ from model import (GPT, GPTConfig, estimate_flops, export_gpt2, generate, import
                    new_kv_cache, read_meta, save_model, token_logprobs)
 
 
-def tiny(head="lm", seed=0, **kw):
+def tiny_gpt(head="lm", seed=0, **kw):
     torch.manual_seed(seed)
     cfg = GPTConfig(**{**dict(block_size=32, vocab_size=13, n_layer=2, n_head=2, n_embd=16), **kw, "head": head})
     return GPT(cfg).double().eval()
@@ -28,7 +28,7 @@ def left_pad(rows, pad):
 
 
 def test_causality():
-    m = tiny()
+    m = tiny_gpt()
     idx = torch.randint(0, 13, (3, 10))
     idx2 = idx.clone()
     idx2[:, 6] = (idx[:, 6] + 1) % 13
@@ -47,7 +47,7 @@ def naive_sdpa(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0):
 
 
 def test_left_padding_invariance_and_no_nan(monkeypatch):
-    m = tiny()
+    m = tiny_gpt()
     rows = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11, 12]]
     idx, mask = left_pad(rows, pad=0)
     targets = torch.where(mask, idx, -100).roll(-1, dims=1)
@@ -70,7 +70,7 @@ def test_left_padding_invariance_and_no_nan(monkeypatch):
 
 
 def test_gpt2_init():
-    m = tiny(n_layer=8, n_embd=64)
+    m = tiny_gpt(n_layer=8, n_embd=64)
     for name, p in m.named_parameters():
         if name.endswith("c_proj.weight"):  # residual projections: 0.02 / sqrt(2 * n_layer) = 0.005
             assert p.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
@@ -97,7 +97,7 @@ def test_token_logprobs_matches_naive_gather():
 
 
 def test_kv_cache_steps_equal_full_forward():
-    m = tiny()
+    m = tiny_gpt()
     idx, mask = left_pad([[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]], pad=0)
     full = m(idx, mask=mask)
     cache = new_kv_cache(m, 3, 5, "cpu", torch.float64)
@@ -107,7 +107,7 @@ def test_kv_cache_steps_equal_full_forward():
 
 
 def test_generate_logprobs_equal_full_forward():
-    m = tiny()
+    m = tiny_gpt()
     prompts = [[1, 2, 3, 4, 5], [6], [7, 8, 9]]
     m.train()  # generate must switch to eval itself and switch back
     out = generate(m, prompts, 12, eos_id=0, pad_id=12, temperature=0.8, top_k=5,
@@ -127,7 +127,7 @@ def test_generate_logprobs_equal_full_forward():
 def test_batched_generation_equals_alone():
     # top_k=1 is greedy: no sampling noise, and in float64 an argmax cannot flip on rounding, so the
     # tokens must be identical and the log-probs equal up to their fp32 storage (1e-6)
-    m = tiny()
+    m = tiny_gpt()
     prompts = [[1, 2, 3, 4, 5, 6], [7], [8, 9, 10]]
     kw = dict(eos_id=0, pad_id=12, top_k=1)
     batch = generate(m, prompts, 10, **kw)
@@ -141,7 +141,7 @@ def test_batched_generation_equals_alone():
 
 
 def test_generate_stops_at_eos():
-    m = tiny(vocab_size=4)  # near-uniform logits over 4 tokens: EOS comes soon in every row
+    m = tiny_gpt(vocab_size=4)  # near-uniform logits over 4 tokens: EOS comes soon in every row
     eos, pad = 1, 3
     out = generate(m, [[2, 2], [0], [2, 0, 2]], 28, eos_id=eos, pad_id=pad,
                    generator=torch.Generator().manual_seed(0))
@@ -159,7 +159,7 @@ def test_generate_stops_at_eos():
 
 
 def test_scalar_head():
-    m = tiny("scalar")
+    m = tiny_gpt("scalar")
     idx, mask = left_pad([[1, 2, 3], [4]], pad=0)
     v = m(idx, mask=mask)
     assert v.shape == (2, 3) and (v == 0).all()  # zero-initialised head: no preference before training
@@ -172,7 +172,7 @@ def test_scalar_head():
 
 def test_save_load_round_trip(tmp_path):
     for head in ("lm", "scalar"):
-        m = tiny(head)
+        m = tiny_gpt(head)
         path = str(tmp_path / head / "model.safetensors")
         save_model(m, path, {"stage": "sft", "step": 7})
         with safe_open(path, framework="pt") as f:
@@ -264,7 +264,7 @@ CPU_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu:
 
 def test_estimate_flops_matches_flop_counter():
     for head in ("lm", "scalar"):
-        m = tiny(head).float().train()
+        m = tiny_gpt(head).float().train()
         cfg, B, T = m.config, 3, 20
         idx = torch.randint(0, 13, (B, T))
         with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as fc:

@@ -75,7 +75,7 @@ def as_flags(cfg):
                                                  else (f"--{k}", str(v)))]
 
 
-def weights(out):
+def saved_weights(out):
     return load_file(os.path.join(out, "model.safetensors"))
 
 
@@ -83,7 +83,7 @@ def test_sft_two_ranks_equal_one_process_and_resume_equals_uninterrupted(tiny, t
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
     sft.main(sft.Config(**sft_args(tiny, one)))  # 1 rank x 4 micro-steps of 4
     run_torchrun("sft.py", as_flags(sft_args(tiny, two)))  # 2 ranks x 2 micro-steps of 4
-    w1, w2 = weights(one), weights(two)
+    w1, w2 = saved_weights(one), saved_weights(two)
     # Same global batch and token normalisation; only the order of float sums differs (all-reduce,
     # accumulation), so after 8 AdamW steps the weights agree to ~1e-6; 1e-4 leaves margin.
     assert w1.keys() == w2.keys()
@@ -92,7 +92,7 @@ def test_sft_two_ranks_equal_one_process_and_resume_equals_uninterrupted(tiny, t
     sft.main(sft.Config(**sft_args(tiny, resumed, stop_after=3)))
     assert not os.path.exists(resumed / "model.safetensors")  # interrupted: no final model yet
     sft.main(sft.Config(**sft_args(tiny, resumed)))  # picks up at step 3
-    w3 = weights(resumed)
+    w3 = saved_weights(resumed)
     for k in w1:  # the same operations in the same order: bit for bit
         assert torch.equal(w1[k], w3[k]), k
     with open(resumed / "metrics.jsonl") as f:
