@@ -97,7 +97,7 @@ def test_sft_two_ranks_equal_one_process_and_resume_equals_uninterrupted(tiny, t
         assert torch.equal(w1[k], w3[k]), k
     with open(resumed / "metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
-    assert steps == sorted(set(steps))  # the resumed log has no step twice
+    assert steps == sorted(set(steps)) and steps[0] == 1  # the resumed log keeps the first run's lines, none twice
 
 
 def test_sft_refuses_to_resume_a_different_config(tiny, tmp_path):

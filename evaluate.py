@@ -53,7 +53,8 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
         sums += torch.stack([torch.tensor(float(len(chunk))), r.sum(), (r * r).sum(), r_ref.sum(),
                              (r_ref * r_ref).sum(), kl.sum(), wins.sum()]).to(d.device)
         samples += [{"prompt": p, "policy": y, "policy_reward": float(a), "ref": y_ref, "ref_reward": float(b)}
-                    for (p, _), y, y_ref, a, b in zip(chunk, texts[0], texts[1], r, r_ref)][:n_samples - len(samples)]
+                    for j, ((p, _), y, y_ref, a, b) in enumerate(zip(chunk, texts[0], texts[1], r, r_ref))
+                    if (i + j) % k == 0][:n_samples - len(samples)]  # one completion of each prompt
     n, r, r2, rr, rr2, kl, wins = all_reduce_sum(sums, d).tolist()
     policy.train(was_training)
     return {"true_reward": r / n, "true_reward_std": max(r2 / n - (r / n) ** 2, 0) ** 0.5, "kl": kl / n,

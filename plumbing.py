@@ -143,9 +143,9 @@ class Logger:
     the same names, to metrics.jsonl. Other ranks stay silent."""
 
     def __init__(self, out_dir, d, resume_step=0):
-        self.is_main, self.t0, self.step0 = d.is_main, time.time(), resume_step
+        self.is_main, self.t0, self.step0 = d.is_main, time.time(), max(resume_step, 0)
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        if not self.is_main:
+        if not self.is_main or resume_step < 0:  # -1: print only, the file is not touched yet
             return
         os.makedirs(out_dir, exist_ok=True)
         kept = []  # a resumed run drops the lines logged after its checkpoint, so no step appears twice

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 from model import GPT, GPTConfig, estimate_flops, import_gpt2, save_model, token_logprobs
-from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, check, checkpoint_state, init_distributed,
+from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state, init_distributed,
                       load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
                       save_checkpoint, split_batch, teardown)
 
@@ -79,7 +79,7 @@ def val_loss(model, examples, cfg, d, pad):
 
 def main(cfg):
     d = init_distributed()
-    log = Logger(cfg.out_dir, d)
+    log = Logger(cfg.out_dir, d, resume_step=-1)  # prints only; metrics.jsonl is opened once the start step is known
     # ---- inputs: the task's text and tokenizer, built when the default paths are missing
     for path, default in [(cfg.train_text, Config.train_text), (cfg.val_text, Config.val_text),
                           (cfg.tokenizer, Config.tokenizer)]:
@@ -106,7 +106,8 @@ def main(cfg):
     decay = [p for p in raw_model.parameters() if p.dim() >= 2 and p is not raw_model.transformer.wpe.weight]
     rest = [p for p in raw_model.parameters() if not any(p is q for q in decay)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
+                            fused=True)  # one kernel for all parameters instead of a loop of small ops
     ckpt_dir, start = os.path.join(cfg.out_dir, "ckpt"), 0
     saved = checkpoint_state(ckpt_dir) if cfg.resume else None
     if saved is not None:
@@ -116,8 +117,8 @@ def main(cfg):
         check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
               f"pass --no-resume to start over, or another --out_dir")
         start, _ = load_checkpoint(ckpt_dir, {"model": raw_model, "optim": opt}, d.device)
-        log = Logger(cfg.out_dir, d, resume_step=start)
         log.print(f"resuming from {ckpt_dir} at step {start}")
+    log = Logger(cfg.out_dir, d, resume_step=start)
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if d.world > 1:
         model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
@@ -183,6 +184,7 @@ def main(cfg):
                           "train_truncated": stats["truncated"], "steps": cfg.steps})
         gap = f" (the generator's floor is {floor:.4f})" if floor is not None else ""
         log.print(f"val loss {final:.4f} nats/token{gap}; π_ref saved to {cfg.out_dir}/model.safetensors")
+    barrier(d)  # π_ref is on disk before any rank returns (a later stage may read it next)
     teardown(d)
 
 
