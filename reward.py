@@ -1,0 +1,266 @@
+"""Stage 2 of the PPO way: the reward model r_φ, learned from the preference pairs (Ouyang et al. 2022, sec. 3.5).
+
+    python reward.py                          # one process; builds out/sft (and the task) first if missing
+    torchrun --nproc_per_node=8 reward.py     # plain DDP over 8 ranks (nccl on GPUs, gloo on CPUs)
+    python reward.py --help                   # every flag, e.g. --train_pairs my_pairs.jsonl
+
+r_φ is π_ref's transformer with a scalar head, read at the last token of prompt + response (the EOS of
+a finished response), trained with the Bradley-Terry loss -log σ(r(x,y_w) - r(x,y_l)) on the same
+pairs DPO trains on. Then it is shifted so that π_ref's own completions of train prompts score 0 on
+average, the "reward normalization" of lm-human-preferences (Ziegler et al. 2019), which also rescales
+to std 1; we keep the scale the pairs taught, so r_φ stays in the units of the Bradley-Terry logit.
+Writes out/reward/: model.safetensors (the offset in its metadata), metrics.jsonl, eval.json
+(val_accuracy on held-out pairs) and a resumable checkpoint in ckpt/. ppo.py reads it as its reward
+service and initializes its critic from it.
+"""
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import data
+import sft
+from model import GPT, estimate_flops, generate, read_meta, save_model
+from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state,
+                      init_distributed, load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
+                      save_checkpoint, split_batch, teardown)
+
+
+@dataclass
+class Config:
+    out_dir: str = "out/reward"  # this stage's folder: model, metrics, eval, checkpoint
+    sft: str = "out/sft/model.safetensors"  # π_ref: r_φ starts from its transformer; its folder holds tokenizer.json
+    train_pairs: str = "out/task/pairs_train.jsonl"  # preference JSONL {"prompt","chosen","rejected"}: DPO's pairs
+    val_pairs: str = "out/task/pairs_val.jsonl"  # held-out pairs for val_accuracy
+    prompts: str = "out/task/prompts_train.jsonl"  # π_ref completes some of these to set the offset
+    max_prompt_len: int = 32  # a pair longer than the block keeps at least this many prompt tokens
+    steps: int = 120  # optimizer steps (about 2 epochs of the built-in task: InstructGPT trains 1, r_φ overfits fast)
+    batch_size: int = 64  # global batch in pairs per step, all ranks together
+    micro_batch_size: int = 32  # pairs per forward on one rank ([chosen; rejected] = 2x the rows)
+    lr: float = 3e-3  # peak AdamW learning rate (π_ref's own; 1e-4 barely moves the zero-init head in 120 steps)
+    warmup: int = 10  # linear warmup steps, then cosine decay
+    min_lr_frac: float = 0.1  # cosine ends at this fraction of lr
+    weight_decay: float = 0.0  # AdamW decay on matrices
+    grad_clip: float = 1.0  # max global grad norm
+    eval_every: int = 40  # steps between val evaluations
+    ckpt_every: int = 100  # steps between checkpoints (and one at the end)
+    offset_samples: int = 512  # π_ref completions scored to find the offset
+    seed: int = 1337  # data order and sampling
+    resume: bool = True  # continue from out_dir/ckpt if it holds this same config
+    stop_after: int = 0  # stop after this many steps of this run, checkpointed (0 = run to the end)
+
+
+# -----------------------------------------------------------------------------
+# The loss and where the reward is read
+
+
+def bt_loss(r_chosen, r_rejected):
+    """Bradley-Terry negative log-likelihood, eq. 1 of Ouyang et al. 2022 (and eq. 2 of the DPO paper):
+    -log σ(r(x,y_w) - r(x,y_l)), mean over the batch. r_chosen, r_rejected (B,) -> scalar.
+    Only the difference is learned: r_φ + c fits as well, hence the offset chosen after training."""
+    return -F.logsigmoid(r_chosen - r_rejected).mean()
+
+
+def last_index(mask):
+    """(B,T) bool -> (B,) long, the column of each row's last True (a row is assumed to have one)."""
+    cols = torch.arange(mask.shape[1], device=mask.device)
+    return torch.where(mask, cols, -1).amax(1)
+
+
+def score_at_last(values, mask):
+    """The reward of each sequence: the scalar head's output (B,T) at the last real token, mask (B,T)
+    True on real tokens. Read after the EOS was seen, so the whole response is scored (Stiennon et al.
+    2020 read the same place); causal attention makes it blind to whatever padding follows."""
+    return values.gather(1, last_index(mask)[:, None]).squeeze(1)
+
+
+def pair_mask(targets):
+    """Real-token mask (N,T) of a right-padded collate() batch from its targets: token t is a response
+    token when targets[t-1] != -100 (position t-1 predicts it); the prompt comes before them."""
+    m = torch.zeros_like(targets, dtype=torch.bool)
+    m[:, 1:] = targets[:, :-1] != -100
+    return m
+
+
+def load_trunk(path, head, device):
+    """A GPT with `head` ("lm" or "scalar") from a save_model file: the transformer always, the head when
+    the file has the same kind (an LM file gives a scalar model a fresh zero head). Dropout is off, as
+    lm-human-preferences and TRL do: with dropout the same tokens get other log-probs in the rollout and
+    in the update, and the PPO ratio is noise. Returns (model, meta)."""
+    cfg, meta = read_meta(path)
+    model = GPT(replace(cfg, head=head, dropout=0.0))
+    sd = {k: v for k, v in load_file(path).items() if k.startswith("transformer.") or cfg.head == head}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    fresh = {"lm_head.weight"} if head == "lm" else ({"score.weight", "score.bias"} if cfg.head != head else set())
+    check(not unexpected and set(missing) <= fresh,
+          f"{path}: not a GPT save_model file (missing {missing[:2]}, unexpected {unexpected[:2]})")
+    return model.to(device), meta
+
+
+# -----------------------------------------------------------------------------
+# evaluation
+
+
+@torch.no_grad()
+def pair_scores(model, examples, pad, micro_batch_size, device):
+    """r_φ on both sides of every example: two (n,) tensors, chosen and rejected."""
+    rc, rr = [], []
+    for i in range(0, len(examples), micro_batch_size):
+        b = data.collate_pairs(examples[i:i + micro_batch_size], pad)
+        x, m = b["input_ids"].to(device), pair_mask(b["targets"]).to(device)
+        with autocast(device):
+            r = score_at_last(model(x).float(), m)  # right-padded: no mask needed (causal)
+        rc.append(r[:len(r) // 2]), rr.append(r[len(r) // 2:])
+    return torch.cat(rc), torch.cat(rr)
+
+
+def val_metrics(model, examples, pad, cfg, d):
+    """Held-out accuracy (ties count half) and loss, sharded over ranks."""
+    model.eval()
+    rc, rr = pair_scores(model, examples[d.rank::d.world], pad, cfg.micro_batch_size, d.device)
+    s = torch.stack([((rc > rr).float() + 0.5 * (rc == rr).float()).sum(), -F.logsigmoid(rc - rr).sum(),
+                     torch.tensor(float(len(rc)), device=d.device)])
+    acc, loss, n = all_reduce_sum(s, d).tolist()
+    model.train()
+    return acc / n, loss / n
+
+
+@torch.no_grad()
+def ref_scores(rm, ref, tok, prompts, d, seed, batch_size=64):
+    """Sample one completion per prompt from π_ref (temperature 1, the KV-cache sampler PPO's rollout
+    engine uses), sharded over ranks, and score it with r_φ. Returns global sums (n, Σr, Σr², Σt, Σt², Σrt)
+    of r_φ's score r and the hidden true reward t (for the correlation: what r_φ learned of the truth)."""
+    block, s = ref.config.block_size, torch.zeros(6, dtype=torch.float64, device=d.device)
+    mine = prompts[d.rank::d.world]
+    g = torch.Generator(device=d.device).manual_seed(seed + d.rank)
+    for i in range(0, len(mine), batch_size):
+        ids = [data.encode_prompt(tok, p)[-(block // 2):] for p in mine[i:i + batch_size]]
+        out = generate(ref, ids, block - max(map(len, ids)), tok.eos, tok.pad, generator=g)
+        with autocast(d.device):
+            r = score_at_last(rm(out["tokens"], mask=out["mask"]).float(), out["mask"]).double()
+        t = torch.tensor([data.true_reward(p, tok.decode(y[m].tolist())) for p, y, m in
+                          zip(mine[i:i + batch_size], out["tokens"], out["response_mask"])],
+                         dtype=torch.float64, device=d.device)
+        s += torch.stack([torch.tensor(float(len(r)), device=d.device), r.sum(), (r * r).sum(), t.sum(), (t * t).sum(),
+                          (r * t).sum()])
+    return all_reduce_sum(s, d).tolist()
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(cfg):
+    d = init_distributed()
+    say = lambda *a: print(*a, flush=True) if d.is_main else None  # noqa: E731  rank 0 speaks
+    # ---- inputs: π_ref and the task's pairs, built when the default paths are missing
+    require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d, say)
+    for path, default in [(cfg.train_pairs, Config.train_pairs), (cfg.val_pairs, Config.val_pairs),
+                          (cfg.prompts, Config.prompts)]:
+        require_stage(path, default, lambda: sft.build_task(d), "python -c 'import data; data.ensure_task()'",
+                      d, say)
+    tok = data.load_tokenizer(os.path.join(os.path.dirname(cfg.sft), "tokenizer.json"))
+    raw_model, _ = load_trunk(cfg.sft, "scalar", d.device)
+    block = raw_model.config.block_size
+    check(2 <= cfg.max_prompt_len < block, f"--max_prompt_len {cfg.max_prompt_len} must be in [2, {block})")
+    train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), block, cfg.max_prompt_len)
+    val, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.val_pairs), block, cfg.max_prompt_len)
+    say(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and {stats['truncated_response']} "
+              f"responses cut to {block} tokens, {stats['unusable']} unusable), {len(val)} val pairs")
+    check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, fewer than "
+          f"--batch_size {cfg.batch_size}")
+
+    # ---- model, optimizer, resume
+    decay = [p for p in raw_model.parameters() if p.dim() >= 2 and p is not raw_model.transformer.wpe.weight]
+    rest = [p for p in raw_model.parameters() if not any(p is q for q in decay)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    ckpt_dir, start = os.path.join(cfg.out_dir, "ckpt"), 0
+    saved = checkpoint_state(ckpt_dir) if cfg.resume else None
+    if saved is not None:
+        ours = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "stop_after")}
+        diff = [f"{k} {saved['config'].get(k)} -> {v}" for k, v in ours.items() if saved["config"].get(k) != v]
+        check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
+              f"pass --no-resume to start over, or another --out_dir")
+        start, _ = load_checkpoint(ckpt_dir, {"model": raw_model, "optim": opt}, d.device)
+        say(f"resuming from {ckpt_dir} at step {start}")
+    log = Logger(cfg.out_dir, d, resume_step=start)  # metrics.jsonl keeps the steps up to `start`
+    model = DDP(raw_model, device_ids=[d.local_rank] if d.device.type == "cuda" else None) if d.world > 1 else raw_model
+    accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
+    peak = measure_peak_flops(d.device)
+    log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | batch "
+              f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {cfg.micro_batch_size} | "
+              f"device {d.device}")
+
+    # ---- training loop
+    end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        mine = data.rank_slice(data.global_batch(len(train), cfg.batch_size, step, cfg.seed), d.rank, d.world)
+        sums, flops = torch.zeros(3, device=d.device), 0  # Σ loss, Σ correct, Σ margin over this rank's pairs
+        for m in range(accum):
+            b = data.collate_pairs([train[i] for i in mine[m * cfg.micro_batch_size:(m + 1) * cfg.micro_batch_size]],
+                                   tok.pad)
+            x, mask = b["input_ids"].to(d.device), pair_mask(b["targets"]).to(d.device)
+            sync = d.world == 1 or m == accum - 1  # all-reduce only on the last micro-step
+            with (nullcontext() if sync else model.no_sync()), autocast(d.device):
+                r = score_at_last(model(x).float(), mask)  # (2B,): [chosen; rejected]
+                rc, rr = r.chunk(2)
+                loss = bt_loss(rc, rr)
+                # bt_loss is a mean over this micro-batch: rescale to a mean over the global batch (DDP averages ranks)
+                (loss * len(rc) * d.world / cfg.batch_size).backward()
+            sums += torch.stack([loss.detach() * len(rc), (rc > rr).float().sum(), (rc - rr).detach().sum()])
+            flops += estimate_flops(raw_model.config, *x.shape, backward=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss, acc, margin = (all_reduce_sum(sums, d) / cfg.batch_size).tolist()
+        dt = time.perf_counter() - t0
+        metrics = {"loss": loss, "accuracy": acc, "margin": margin, "grad_norm": grad_norm.item(), "lr": lr,
+                   "mfu": flops / dt / peak, "time/step_ms": 1000 * dt}
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            metrics["val_accuracy"], metrics["val_loss"] = val_metrics(model, val, tok.pad, cfg, d)
+        if d.is_main and ((step + 1) % 10 == 0 or "val_loss" in metrics or step == start):
+            log.log(step + 1, cfg.steps, metrics)
+        if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
+            save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt}, {"config": asdict(cfg)})
+    barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
+    if end < cfg.steps:
+        log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from step {end}")
+        return teardown(d)
+
+    # ---- outputs: held-out accuracy, the offset, the model
+    val_acc, val_loss = val_metrics(model, val, tok.pad, cfg, d)
+    rows = data.read_pairs(cfg.val_pairs)  # the best any reward can do on these noisy (Bradley-Terry) labels
+    true = [(data.true_reward(r["prompt"], r["chosen"]), data.true_reward(r["prompt"], r["rejected"])) for r in rows]
+    oracle = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in true)
+    ref, _ = load_trunk(cfg.sft, "lm", d.device)
+    prompts = data.read_prompts(cfg.prompts)[:cfg.offset_samples]
+    raw_model.eval()
+    n, s, s2, t, t2, st = ref_scores(raw_model, ref, tok, prompts, d, cfg.seed)
+    offset, std = s / n, max(s2 / n - (s / n) ** 2, 0.0) ** 0.5
+    t_std = max(t2 / n - (t / n) ** 2, 0.0) ** 0.5
+    corr = (st / n - s / n * t / n) / max(std * t_std, 1e-12)
+    with torch.no_grad():
+        raw_model.score.bias -= offset  # folded into the head, so every reader (PPO, its critic) gets it
+    result = {"val_accuracy": val_acc, "val_loss": val_loss, "oracle_val_accuracy": oracle / len(rows),
+              "offset": offset, "ref_score_std": std, "ref_true_reward_corr": corr, "steps": cfg.steps}
+    if d.is_main:
+        save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
+                   {"stage": "reward", "sft": cfg.sft, "train_pairs": cfg.train_pairs, **result})
+        atomic_write_json(os.path.join(cfg.out_dir, "eval.json"), result)
+        log.print(f"val accuracy {val_acc:.3f} (the true reward gets {oracle / len(rows):.3f} of these noisy labels) | "
+                  f"π_ref's completions scored {offset:+.3f} ± {std:.3f} before the offset, now 0 | "
+                  f"correlation with the true reward {corr:.3f}; r_φ saved to {cfg.out_dir}/model.safetensors")
+    teardown(d)
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, doc=__doc__))
