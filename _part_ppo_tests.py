@@ -3,8 +3,6 @@ and hand computations, the weight broadcast on two gloo ranks, and smoke runs of
 import json
 import math
 import os
-import tempfile
-from dataclasses import replace
 
 import pytest
 import torch
@@ -241,27 +239,36 @@ def test_broadcast_weights_two_gloo_ranks(tmp_path):
 # smoke runs: reward.py and ppo.py on two gloo ranks; a resumed ppo run equals an uninterrupted one
 
 
-def tiny_reward_args(tiny, out):
-    return [f"--out_dir={out}", f"--sft={tiny.sft}/model.safetensors", f"--train_pairs={tiny.task}/pairs_train.jsonl",
-            f"--val_pairs={tiny.task}/pairs_val.jsonl", f"--prompts={tiny.task}/prompts_train.jsonl", "--steps=4",
-            "--batch_size=8", "--micro_batch_size=2", "--eval_every=4", "--offset_samples=16"]
-
-
 def tiny_ppo_config(tiny, rm, out, eval_prompts, **kw):
     return ppo.Config(out_dir=str(out), sft=f"{tiny.sft}/model.safetensors", reward_model=rm,
                       prompts=f"{tiny.task}/prompts_train.jsonl", eval_prompts=eval_prompts, iterations=3,
                       rollout_batch=8, mini_batch=4, micro_batch_size=2, ppo_epochs=2, eval_k=1, **kw)
 
 
-def test_reward_and_ppo_two_ranks_and_resume(tiny):
-    root = tiny.root / "ppo-test"
-    run_torchrun("reward.py", tiny_reward_args(tiny, root / "reward"))
-    rm = str(root / "reward" / "model.safetensors")
-    with open(root / "reward" / "eval.json") as f:
+@pytest.fixture(scope="module")
+def tiny_rm(tiny):
+    """reward.py on two gloo ranks, a few steps on the tiny stack; returns its folder."""
+    out = tiny.root / "ppo-test" / "reward"
+    run_torchrun("reward.py", [f"--out_dir={out}", f"--sft={tiny.sft}/model.safetensors",
+                               f"--train_pairs={tiny.task}/pairs_train.jsonl", f"--val_pairs={tiny.task}/pairs_val.jsonl",
+                               f"--prompts={tiny.task}/prompts_train.jsonl", "--steps=4", "--batch_size=8",
+                               "--micro_batch_size=2", "--eval_every=4", "--offset_samples=16"])
+    return out
+
+
+def test_reward_two_ranks(tiny_rm):
+    with open(tiny_rm / "eval.json") as f:
         ev = json.load(f)
     assert 0 <= ev["val_accuracy"] <= 1 and math.isfinite(ev["offset"])
+    with open(tiny_rm / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 4]
+
+
+def test_ppo_two_ranks_and_resume(tiny, tiny_rm):
+    root, rm = tiny.root / "ppo-test", str(tiny_rm / "model.safetensors")
     prompts = root / "eval_prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in data.read_prompts(f"{tiny.task}/prompts_eval.jsonl")[:8]))
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                               for p in data.read_prompts(f"{tiny.task}/prompts_eval.jsonl")[:8]))
     cfg = tiny_ppo_config(tiny, rm, root / "ppo2", str(prompts))
     run_torchrun("ppo.py", [f"--{k}={v}" for k, v in vars(cfg).items() if not isinstance(v, bool)])
     with open(root / "ppo2" / "eval.json") as f:
@@ -278,3 +285,12 @@ def test_reward_and_ppo_two_ranks_and_resume(tiny):
     rows = [[json.loads(line) for line in open(root / n / "metrics.jsonl")] for n in ("full", "split")]
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "share/", "tokens_per", "mfu"))}  # noqa: E731
     assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]
+
+
+def test_ppo_stops_on_non_finite(tiny, tiny_rm, tmp_path):
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the movie is"}) + "\n")
+    cfg = tiny_ppo_config(tiny, str(tiny_rm / "model.safetensors"), tmp_path / "ppo", str(prompts), lr=1e30)
+    with pytest.raises(SystemExit, match="non-finite grad norm at iteration 1 .* the last good checkpoint is kept: none"):
+        ppo.main(cfg)
+    assert not os.path.exists(tmp_path / "ppo" / "model.safetensors")

@@ -37,14 +37,17 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
     policy.eval(), ref.eval()
     block = policy.config.block_size
     rows = [(p, data.encode_prompt(tok, p)) for p in prompts for _ in range(k)][d.rank::d.world]
-    g = torch.Generator(device=d.device).manual_seed(seed + d.rank)
+    # Separate streams: π_ref's samples depend only on the seed, so every policy is compared with the
+    # same π_ref baseline; and they are independent of the policy's even when the two models are equal.
+    gens = [torch.Generator(device=d.device).manual_seed(s + d.rank) for s in (seed, seed + 1_000_003)]
     sums = torch.zeros(7, dtype=torch.float64, device=d.device)  # n, r, r², r_ref, r_ref², kl, wins
     samples = []
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         ids = [p[-(block // 2):] for _, p in chunk]  # leave room for the completion
         new = block - max(len(p) for p in ids)
-        outs = [generate(m, ids, new, tok.eos, tok.pad, temperature=1.0, generator=g) for m in (policy, ref)]
+        outs = [generate(m, ids, new, tok.eos, tok.pad, temperature=1.0, generator=g)
+                for m, g in zip((policy, ref), gens)]
         texts = [[tok.decode(t[r].tolist()) for t, r in zip(o["tokens"], o["response_mask"])] for o in outs]
         r = torch.tensor([data.true_reward(p, y) for (p, _), y in zip(chunk, texts[0])], dtype=torch.float64)
         r_ref = torch.tensor([data.true_reward(p, y) for (p, _), y in zip(chunk, texts[1])], dtype=torch.float64)

@@ -443,7 +443,7 @@ def main(cfg):
         return teardown(d)
 
     # ==== evaluation and outputs
-    res = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k, seed=cfg.seed)
+    res = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k)  # seed 0, as dpo.py
     if d.is_main:
         if end > start:
             log.print("share of an iteration: " + " | ".join(f"{k} {v:.1%}" for k, v in shares.items()))
