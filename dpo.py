@@ -16,7 +16,6 @@ resident here. Writes out/dpo/: model.safetensors (+ tokenizer.json), metrics.js
 import math
 import os
 import shutil
-import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -28,9 +27,9 @@ import data
 import precompute
 import sft
 from evaluate import evaluate_policy, print_samples
-from model import estimate_flops, load_model, save_model
-from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state,
-                      init_distributed, load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
+from model import anatomy, format_anatomy, estimate_flops, load_model, save_model
+from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state, clock,
+                      init_distributed, lap, load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
                       save_checkpoint, split_batch, teardown)
 
 # ==== config
@@ -85,49 +84,6 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta, loss="sigmo
     else:
         losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
     return losses, beta * (pi_chosen - ref_chosen).detach(), beta * (pi_rejected - ref_rejected).detach()
-
-
-def anatomy(models, T=None):
-    """What each resident model costs the job. models: {name: nn.Module (a GPT)}; one with trainable
-    parameters is trained with AdamW (fp32 weights, grads and two moments), a frozen one is only held
-    and run forward. T: the sequence length the FLOPs per token are counted at (attention grows with T;
-    default: each model's block_size). Returns one dict per model, then a "total" row: the loop's
-    FLOPs per token and the job's bytes. Activations are not counted: they scale with the batch."""
-    rows = []
-    for name, m in models.items():
-        params = list(m.parameters())  # a tied lm_head is the same Parameter as wte: counted once
-        trainable, t = any(p.requires_grad for p in params), T or m.config.block_size
-        w = sum(p.numel() * p.element_size() for p in params)
-        r = dict(model=name, state="trainable" if trainable else "frozen", params=sum(p.numel() for p in params),
-                 weights_bytes=w, grads_bytes=w if trainable else 0, adamw_bytes=2 * w if trainable else 0,
-                 flops_per_token=estimate_flops(m.config, 1, t, backward=trainable) / t)  # fwd+bwd, or fwd
-        rows.append({**r, "total_bytes": r["weights_bytes"] + r["grads_bytes"] + r["adamw_bytes"]})
-    rows.append({k: "total" if k == "model" else "" if k == "state" else sum(r[k] for r in rows) for k in rows[0]})
-    return rows
-
-
-def format_anatomy(rows, T):
-    cols = ("weights_bytes", "grads_bytes", "adamw_bytes", "total_bytes")
-    lines = [f"{'resident':<10} {'state':<9} {'params':>9} {'weights':>8} {'grads':>8} {'AdamW':>8} {'total':>8} "
-             f"  FLOPs/token at T={T}"]
-    for r in rows:
-        mib = " ".join(f"{r[k] / 2**20:>8.2f}" for k in cols)
-        lines.append(f"{r['model']:<10} {r['state']:<9} {r['params']:>9,} {mib}   {r['flops_per_token'] / 1e6:.2f} M")
-    return "\n".join(lines + ["(bytes in MiB, fp32; activations not counted)"])
-
-
-def clock(d):
-    """Wall time; on CUDA it first waits for the queued kernels, so each phase is charged its own time."""
-    if d.device.type == "cuda":
-        torch.cuda.synchronize(d.device)
-    return time.perf_counter()
-
-
-def lap(times, phase, d):
-    """Charge the time since the previous lap to times["time/" + phase] (ms); times["t"] is that lap."""
-    now = clock(d)
-    times[f"time/{phase}"] = times.get(f"time/{phase}", 0.0) + 1000 * (now - times["t"])
-    times["t"] = now
 
 
 @torch.no_grad()

@@ -320,3 +320,36 @@ def export_gpt2(model, out_dir):
     with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:
         json.dump(hf, f, indent=2)
     os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
+
+
+# -----------------------------------------------------------------------------
+# what a resident model costs a training job (dpo.py and ppo.py print it at start; compare.py tabulates it)
+
+
+def anatomy(models, T=None):
+    """What each resident model costs the job. models: {name: nn.Module (a GPT)}; one with trainable
+    parameters is trained with AdamW (fp32 weights, grads and two moments), a frozen one is only held
+    and run forward. T: the sequence length the FLOPs per token are counted at (attention grows with T;
+    default: each model's block_size). Returns one dict per model, then a "total" row: the loop's
+    FLOPs per token and the job's bytes. Activations are not counted: they scale with the batch."""
+    rows = []
+    for name, m in models.items():
+        params = list(m.parameters())  # a tied lm_head is the same Parameter as wte: counted once
+        trainable, t = any(p.requires_grad for p in params), T or m.config.block_size
+        w = sum(p.numel() * p.element_size() for p in params)
+        r = dict(model=name, state="trainable" if trainable else "frozen", params=sum(p.numel() for p in params),
+                 weights_bytes=w, grads_bytes=w if trainable else 0, adamw_bytes=2 * w if trainable else 0,
+                 flops_per_token=estimate_flops(m.config, 1, t, backward=trainable) / t)  # fwd+bwd, or fwd
+        rows.append({**r, "total_bytes": r["weights_bytes"] + r["grads_bytes"] + r["adamw_bytes"]})
+    rows.append({k: "total" if k == "model" else "" if k == "state" else sum(r[k] for r in rows) for k in rows[0]})
+    return rows
+
+
+def format_anatomy(rows, T):
+    cols = ("weights_bytes", "grads_bytes", "adamw_bytes", "total_bytes")
+    lines = [f"{'resident':<10} {'state':<9} {'params':>9} {'weights':>8} {'grads':>8} {'AdamW':>8} {'total':>8} "
+             f"  FLOPs/token at T={T}"]
+    for r in rows:
+        mib = " ".join(f"{r[k] / 2**20:>8.2f}" for k in cols)
+        lines.append(f"{r['model']:<10} {r['state']:<9} {r['params']:>9,} {mib}   {r['flops_per_token'] / 1e6:.2f} M")
+    return "\n".join(lines + ["(bytes in MiB, fp32; activations not counted)"])

@@ -295,3 +295,17 @@ def measure_peak_flops(device, n=None, reps=5):
         a @ b
     sync()
     return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def clock(d):
+    """Wall time; on CUDA it first waits for the queued kernels, so each phase is charged its own time."""
+    if d.device.type == "cuda":
+        torch.cuda.synchronize(d.device)
+    return time.perf_counter()
+
+
+def lap(times, phase, d):
+    """Charge the time since the previous lap to times["time/" + phase] (ms); times["t"] is that lap."""
+    now = clock(d)
+    times[f"time/{phase}"] = times.get(f"time/{phase}", 0.0) + 1000 * (now - times["t"])
+    times["t"] = now

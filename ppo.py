@@ -29,9 +29,9 @@ import data
 import reward
 import sft
 from evaluate import evaluate_policy, print_samples
-from model import estimate_flops, generate, save_model, token_logprobs
-from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state,
-                      init_distributed, load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
+from model import anatomy, format_anatomy, estimate_flops, generate, save_model, token_logprobs
+from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state, clock,
+                      init_distributed, lap, load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
                       save_checkpoint, split_batch, teardown)
 
 # ==== config
@@ -188,51 +188,6 @@ def broadcast_weights(trainer, rollout_copy, d):
     return flat.numel() * flat.element_size(), clock(d) - t0
 
 
-def clock(d):
-    """Wall time; on CUDA it first waits for the queued kernels, so each phase is charged its own time."""
-    if d.device.type == "cuda":
-        torch.cuda.synchronize(d.device)
-    return time.perf_counter()
-
-
-def lap(times, phase, d):
-    """Charge the time since the previous lap to times["time/" + phase] (ms); times["t"] is that lap."""
-    now = clock(d)
-    times[f"time/{phase}"] = times.get(f"time/{phase}", 0.0) + 1000 * (now - times["t"])
-    times["t"] = now
-
-
-def anatomy(models, T):
-    """What each resident model costs the job (dpo.py's table). models: {name: GPT}; one with trainable
-    parameters is trained with AdamW (fp32 weights, grads and two moments), a frozen one is only held and
-    run forward. T: the sequence length FLOPs per token are counted at. Returns one dict per model and a
-    "total" row. Activations are not counted: they scale with the batch."""
-    rows = []
-    for name, m in models.items():
-        params = list(m.parameters())  # a tied lm_head is the same Parameter as wte: counted once
-        trainable = any(p.requires_grad for p in params)
-        w = sum(p.numel() * p.element_size() for p in params)
-        rows.append(dict(model=name, state="trainable" if trainable else "frozen",
-                         params=sum(p.numel() for p in params), weights_bytes=w, grads_bytes=w if trainable else 0,
-                         adamw_bytes=2 * w if trainable else 0,
-                         flops_per_token=estimate_flops(m.config, 1, T, backward=trainable) / T))
-        rows[-1]["total_bytes"] = rows[-1]["weights_bytes"] + rows[-1]["grads_bytes"] + rows[-1]["adamw_bytes"]
-    rows.append({k: "total" if k == "model" else "" if k == "state" else sum(r[k] for r in rows) for k in rows[0]})
-    return rows
-
-
-def format_anatomy(rows, T, phase_flops):
-    lines = [f"{'model':<12} {'state':<10} {'params':>10} {'weights':>9} {'grads':>9} {'AdamW':>9} {'total':>9} "
-             f"{'FLOPs/token (T=' + str(T) + ')':>20}"]
-    for r in rows:
-        mb = [f"{r[k] / 2**20:8.2f}M" for k in ("weights_bytes", "grads_bytes", "adamw_bytes", "total_bytes")]
-        lines.append(f"{r['model']:<12} {r['state']:<10} {r['params']:>10,} {' '.join(mb)} "
-                     f"{r['flops_per_token'] / 1e6:>18.2f}M")
-    phases = " | ".join(f"{k} {v / 1e6:.2f}M" for k, v in phase_flops.items())
-    total = sum(phase_flops.values()) / 1e6
-    return "\n".join(lines + [f"FLOPs per rollout token by phase: {phases} | iteration {total:.2f}M"])
-
-
 PHASES = ("rollout", "reward", "ref_critic", "rewards", "advantages", "update", "broadcast")
 
 
@@ -284,7 +239,9 @@ def main(cfg):
                    "ref_critic": 2 * fwd(policy) + fwd(critic),  # old log-probs, log π_ref, values
                    "update": cfg.ppo_epochs * (train_step(policy) + train_step(critic))}
     layout = anatomy(resident, T)
-    say(format_anatomy(layout, T, phase_flops))
+    say(format_anatomy(layout, T))
+    say("FLOPs per rollout token by phase: " + " | ".join(f"{k} {v / 1e6:.2f}M" for k, v in phase_flops.items())
+        + f" | iteration {sum(phase_flops.values()) / 1e6:.2f}M")
 
     # ==== optimizer, schedule, resume
     # One AdamW over policy and critic and one backward of loss/policy + vf_coef·loss/value per minibatch,
