@@ -28,9 +28,9 @@ import precompute
 import sft
 from evaluate import evaluate_policy, print_samples
 from model import anatomy, format_anatomy, estimate_flops, load_model, save_model
-from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state, clock,
-                      init_distributed, lap, load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
-                      save_checkpoint, split_batch, teardown)
+from plumbing import (Logger, adamw, all_reduce_sum, atomic_write_json, autocast, barrier, check,
+                      checkpoint_state, clock, init_distributed, lap, lr_at, measure_peak_flops, parse_config,
+                      require_stage, resume, save_checkpoint, split_batch, teardown)
 
 # ==== config
 
@@ -153,22 +153,9 @@ def main(cfg):
                   f"(2 fp32 per pair) read from {cfg.ref_logps}")
 
     # ==== optimizer, schedule, resume
-    decay = [p for p in raw_model.parameters() if p.dim() >= 2 and p is not raw_model.transformer.wpe.weight]
-    rest = [p for p in raw_model.parameters() if not any(p is q for q in decay)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
-                            fused=True)  # one kernel for all tensors instead of a loop of small ones
-    ckpt_dir, start = os.path.join(cfg.out_dir, "ckpt"), 0
-    saved = checkpoint_state(ckpt_dir) if cfg.resume else None
-    if saved is not None:
-        free = ("resume", "stop_after", "ref", "compile")  # cached and live give the same run: resume either way
-        ours = {k: v for k, v in asdict(cfg).items() if k not in free}
-        theirs = saved["config"]
-        diff = [f"{k} {theirs.get(k)} -> {v}" for k, v in ours.items() if theirs.get(k) != v]
-        check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
-              f"pass --no-resume to start over, or another --out_dir")
-        start, _ = load_checkpoint(ckpt_dir, {"model": raw_model, "optim": opt}, d.device)
-        say(f"resuming from {ckpt_dir} at step {start}")
+    opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, say, free=("resume", "stop_after", "ref", "compile"))  # cached and live give the same run: resume either way
     log = Logger(cfg.out_dir, d, resume_step=start)  # metrics.jsonl keeps the steps up to `start`
     accum, mb = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world), cfg.micro_batch_size
     peak = measure_peak_flops(d.device)

@@ -309,3 +309,28 @@ def lap(times, phase, d):
     now = clock(d)
     times[f"time/{phase}"] = times.get(f"time/{phase}", 0.0) + 1000 * (now - times["t"])
     times["t"] = now
+
+
+def adamw(model, lr, weight_decay):
+    """AdamW with weight decay on the weight matrices only, not on biases, LayerNorm gains or the
+    position table (GPT-2 / nanoGPT). fused: one kernel for all tensors instead of a loop of small ones."""
+    decay = [p for p in model.parameters() if p.dim() >= 2 and p is not model.transformer.wpe.weight]
+    rest = [p for p in model.parameters() if not any(p is q for q in decay)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), fused=True)
+
+
+def resume(ckpt_dir, cfg, parts, device, log, free=("resume", "stop_after")):
+    """Continue from ckpt_dir when it holds a run of this same config (the fields in `free` may differ):
+    fills `parts` and returns (step, state). A checkpoint of another config stops the run and names what
+    differs, rather than silently mixing two runs. (0, {}) with no checkpoint or with --no-resume."""
+    saved = checkpoint_state(ckpt_dir) if cfg.resume else None
+    if saved is None:
+        return 0, {}
+    ours = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
+    diff = [f"{k} {saved['config'].get(k)} -> {v}" for k, v in ours.items() if saved["config"].get(k) != v]
+    check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
+          f"pass --no-resume to start over, or another --out_dir")
+    step, state = load_checkpoint(ckpt_dir, parts, device)
+    log(f"resuming from {ckpt_dir} at step {step}")
+    return step, state

@@ -30,9 +30,9 @@ import reward
 import sft
 from evaluate import evaluate_policy, print_samples
 from model import anatomy, format_anatomy, estimate_flops, generate, save_model, token_logprobs
-from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state, clock,
-                      init_distributed, lap, load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
-                      save_checkpoint, split_batch, teardown)
+from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state,
+                      clock, init_distributed, lap, lr_at, measure_peak_flops, parse_config, require_stage,
+                      resume, save_checkpoint, split_batch, teardown)
 
 # ==== config
 
@@ -248,17 +248,12 @@ def main(cfg):
     # as TRL and lm-human-preferences: the weights are disjoint and Adam scales each parameter on its own,
     # so it is two optimizers sharing one schedule, one grad clip, one DDP all-reduce and one checkpoint.
     opt = torch.optim.AdamW(pv.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ckpt_dir, start, kl_coef = os.path.join(cfg.out_dir, "ckpt"), 0, cfg.kl_coef
-    saved = checkpoint_state(ckpt_dir) if cfg.resume else None
-    if saved is not None:
-        ours = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "stop_after", "eval_k")}
-        diff = [f"{k} {saved['config'].get(k)} -> {v}" for k, v in ours.items() if saved["config"].get(k) != v]
-        check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
-              f"pass --no-resume to start over, or another --out_dir")
-        start, state = load_checkpoint(ckpt_dir, {"policy": policy, "critic": critic, "optim": opt}, d.device)
-        kl_coef = state["kl_coef"]
-        broadcast_weights(policy, rollout, d)
-        say(f"resuming from {ckpt_dir} at iteration {start}")
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    start, state = resume(ckpt_dir, cfg, {"policy": policy, "critic": critic, "optim": opt}, d.device, say,
+                          free=("resume", "stop_after", "eval_k"))
+    kl_coef = state.get("kl_coef", cfg.kl_coef)
+    if start:
+        broadcast_weights(policy, rollout, d)  # the rollout engine resumes with the restored policy
     log = Logger(cfg.out_dir, d, resume_step=start)  # metrics.jsonl keeps the iterations up to `start`
     peak = measure_peak_flops(d.device)
     log.print(f"rollout {cfg.rollout_batch} = {d.world} ranks x {B} | {cfg.ppo_epochs} epochs x {n_mini} minibatches "

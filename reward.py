@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data
 import sft
 from model import GPT, estimate_flops, generate, read_meta, save_model
-from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state,
-                      init_distributed, load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
+from plumbing import (Logger, adamw, all_reduce_sum, atomic_write_json, autocast, barrier, check,
+                      init_distributed, lr_at, measure_peak_flops, parse_config, require_stage, resume,
                       save_checkpoint, split_batch, teardown)
 
 
@@ -175,19 +175,9 @@ def main(cfg):
           f"--batch_size {cfg.batch_size}")
 
     # ---- model, optimizer, resume
-    decay = [p for p in raw_model.parameters() if p.dim() >= 2 and p is not raw_model.transformer.wpe.weight]
-    rest = [p for p in raw_model.parameters() if not any(p is q for q in decay)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    ckpt_dir, start = os.path.join(cfg.out_dir, "ckpt"), 0
-    saved = checkpoint_state(ckpt_dir) if cfg.resume else None
-    if saved is not None:
-        ours = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "stop_after")}
-        diff = [f"{k} {saved['config'].get(k)} -> {v}" for k, v in ours.items() if saved["config"].get(k) != v]
-        check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
-              f"pass --no-resume to start over, or another --out_dir")
-        start, _ = load_checkpoint(ckpt_dir, {"model": raw_model, "optim": opt}, d.device)
-        say(f"resuming from {ckpt_dir} at step {start}")
+    opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, say)
     log = Logger(cfg.out_dir, d, resume_step=start)  # metrics.jsonl keeps the steps up to `start`
     model = DDP(raw_model, device_ids=[d.local_rank] if d.device.type == "cuda" else None) if d.world > 1 else raw_model
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)

@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 from model import GPT, GPTConfig, estimate_flops, import_gpt2, save_model, token_logprobs
-from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, checkpoint_state, init_distributed,
-                      load_checkpoint, lr_at, measure_peak_flops, parse_config, require_stage,
+from plumbing import (Logger, adamw, all_reduce_sum, atomic_write_json, autocast, barrier, check,
+                      init_distributed, lr_at, measure_peak_flops, parse_config, require_stage, resume,
                       save_checkpoint, split_batch, teardown)
 
 
@@ -103,21 +103,9 @@ def main(cfg):
         raw_model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=tok.vocab_size, n_layer=cfg.n_layer,
                                   n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
     raw_model.to(d.device)
-    decay = [p for p in raw_model.parameters() if p.dim() >= 2 and p is not raw_model.transformer.wpe.weight]
-    rest = [p for p in raw_model.parameters() if not any(p is q for q in decay)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
-                            fused=True)  # one kernel for all parameters instead of a loop of small ops
-    ckpt_dir, start = os.path.join(cfg.out_dir, "ckpt"), 0
-    saved = checkpoint_state(ckpt_dir) if cfg.resume else None
-    if saved is not None:
-        ours = {k: v for k, v in asdict(cfg).items() if k not in ("resume", "stop_after")}
-        theirs = {k: v for k, v in saved["config"].items() if k not in ("resume", "stop_after")}
-        diff = [f"{k} {theirs.get(k)} -> {v}" for k, v in ours.items() if theirs.get(k) != v]
-        check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
-              f"pass --no-resume to start over, or another --out_dir")
-        start, _ = load_checkpoint(ckpt_dir, {"model": raw_model, "optim": opt}, d.device)
-        log.print(f"resuming from {ckpt_dir} at step {start}")
+    opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print)
     log = Logger(cfg.out_dir, d, resume_step=start)
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if d.world > 1:
