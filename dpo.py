@@ -155,9 +155,11 @@ def main(cfg):
     # ==== optimizer, schedule, resume
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
-    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, say, free=("resume", "stop_after", "ref", "compile"))  # cached and live give the same run: resume either way
+    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, say,
+                      free=("resume", "stop_after", "ref", "compile"))  # cached and live: the same run
     log = Logger(cfg.out_dir, d, resume_step=start)  # metrics.jsonl keeps the steps up to `start`
-    accum, mb = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world), cfg.micro_batch_size
+    accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
+    mb = cfg.batch_size // d.world // accum  # pairs per forward on this rank
     peak = measure_peak_flops(d.device)
     say(f"{cfg.loss} loss, beta {cfg.beta} | reference: {cfg.ref} | batch {cfg.batch_size} pairs = {d.world} ranks "
               f"x {accum} accumulation x {mb} | device {d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")

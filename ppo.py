@@ -257,7 +257,7 @@ def main(cfg):
     log = Logger(cfg.out_dir, d, resume_step=start)  # metrics.jsonl keeps the iterations up to `start`
     peak = measure_peak_flops(d.device)
     log.print(f"rollout {cfg.rollout_batch} = {d.world} ranks x {B} | {cfg.ppo_epochs} epochs x {n_mini} minibatches "
-              f"of {cfg.mini_batch} = {d.world} ranks x {accum} accumulation x {cfg.micro_batch_size} | reward: "
+              f"of {cfg.mini_batch} = {d.world} ranks x {accum} accumulation x {cfg.mini_batch // d.world // accum} | reward: "
               f"{'r_φ ' + cfg.reward_model if rm is not None else 'the hidden true reward (PPO-GT)'} | device "
               f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")
 

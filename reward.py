@@ -183,7 +183,7 @@ def main(cfg):
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     peak = measure_peak_flops(d.device)
     log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | batch "
-              f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {cfg.micro_batch_size} | "
+              f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {cfg.batch_size // d.world // accum} | "
               f"device {d.device}")
 
     # ---- training loop
