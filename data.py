@@ -228,8 +228,9 @@ def ensure_task(out_dir="out/task", seed=0, log=print):
 # -----------------------------------------------------------------------------
 # Reading user files. Every bad row is an error naming its file and line; nothing is dropped silently.
 
-class DataError(ValueError):
-    """A bad input file. The message starts with "path:line: "."""
+class DataError(SystemExit):
+    """A bad input file. The message starts with "path:line: ". A SystemExit, so that a user's mistake
+    ends the run with that one line and no traceback (as plumbing.check does); tests catch it as usual."""
 
 def _lines(path):
     """(line number, line) for each line that is not blank: blank lines are not rows."""
