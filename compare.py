@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
-from torch.utils import flop_counter
 
 import data
 import dpo
@@ -39,7 +38,7 @@ import precompute
 import reward
 import sft
 from evaluate import evaluate_policy
-from model import GPTConfig, estimate_flops, generate, load_model
+from model import GPTConfig, count_flops, estimate_flops, generate, load_model
 from plumbing import (atomic_write_json, barrier, check, checkpoint_state, fmt_duration, init_distributed, main_decides,
                       parse_config, require_stage, teardown)
 
@@ -126,22 +125,6 @@ BIG = dict(n_layer=32, n_head=32, n_embd=4096, vocab_size=32000, seq_len=512, pr
 # -----------------------------------------------------------------------------
 # Measuring at π_ref's size
 
-# model.py's finding: on CPU, SDPA runs aten._scaled_dot_product_flash_attention_for_cpu, which torch 2.13's
-# FlopCounterMode has no formula for (it counts 0). Its arguments start (q, k, v) like the CUDA flash
-# kernels', so torch's own formulas for those count it.
-CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-            lambda q, k, v, *a, **kw: flop_counter.sdpa_flop_count(q, k, v),
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda g, q, k, v, *a, **kw: flop_counter.sdpa_backward_flop_count(g, q, k, v)}
-
-
-def counted(fn):
-    """(fn(), the FLOPs torch's FlopCounterMode counted while it ran)."""
-    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as fc:
-        out = fn()
-    return out, fc.get_total_flops()
-
-
 def measured_bytes(m, opt=None):
     """Bytes m's tensors hold: parameters (a tied one once), their grads, and opt's state for them."""
     ps = list(m.parameters())
@@ -166,16 +149,16 @@ def measure_small(cfg, d, B=32):
                                    dpo.Config.max_prompt_len)
     b = data.collate_pairs(pairs, tok.pad)
     x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)  # (2B, T)
-    _, f_policy = counted(lambda: precompute.pair_logps(policy, x, y).sum().backward())
+    _, f_policy = count_flops(lambda: precompute.pair_logps(policy, x, y).sum().backward())
     with torch.no_grad():
-        _, f_ref = counted(lambda: precompute.pair_logps(ref, x, y))
+        _, f_ref = count_flops(lambda: precompute.pair_logps(ref, x, y))
         prompts = [data.encode_prompt(tok, p) for p in data.read_prompts(f"{cfg.task}/prompts_train.jsonl")[:B]]
         P, g = max(map(len, prompts)), torch.Generator(device=d.device).manual_seed(0)
-        out, f_roll = counted(lambda: generate(rollout, prompts, c.block_size - P, tok.eos, tok.pad, generator=g))
+        out, f_roll = count_flops(lambda: generate(rollout, prompts, c.block_size - P, tok.eos, tok.pad, generator=g))
         t, m = out["tokens"], out["mask"]  # (B, P + N)
-        _, f_rm = counted(lambda: rm(t, mask=m))
-        _, f_rc = counted(lambda: (policy(t, mask=m), ref(t, mask=m), critic(t, mask=m)))
-    _, f_up = counted(lambda: [(policy(t, mask=m).sum() + critic(t, mask=m).sum()).backward()
+        _, f_rm = count_flops(lambda: rm(t, mask=m))
+        _, f_rc = count_flops(lambda: (policy(t, mask=m), ref(t, mask=m), critic(t, mask=m)))
+    _, f_up = count_flops(lambda: [(policy(t, mask=m).sum() + critic(t, mask=m).sum()).backward()
                                for _ in range(ppo.Config.ppo_epochs)])
     opts = [torch.optim.AdamW(mod.parameters()) for mod in (policy, critic)]
     for o in opts:

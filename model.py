@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.utils import flop_counter
 
 
 @dataclass
@@ -238,6 +239,23 @@ def estimate_flops(config, B, T, backward=False):
     mm = L * 2 * N * C * (3 * C + C + 4 * C + 4 * C) + 2 * N * C * head  # c_attn, attn c_proj, c_fc, mlp c_proj; head
     attn = L * 2 * (2 * B * T * T * C)  # per layer 2 bmm of 2*T*T*hd for each of B*H heads
     return mm + attn if not backward else 3 * mm + (7 * attn) // 2  # +2x matmuls, +2.5x attention
+
+
+# torch 2.13's FlopCounterMode has no formula for the CPU flash-attention kernels SDPA dispatches to (it
+# counts them 0). Their arguments start (q, k, v) and (grad_out, q, k, v) like the CUDA flash kernels', so
+# torch's own formulas for those count them, and the count can be compared with estimate_flops exactly.
+CPU_SDPA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *a, **kw: flop_counter.sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda g, q, k, v, *a, **kw: flop_counter.sdpa_backward_flop_count(g, q, k, v)}
+
+
+def count_flops(fn):
+    """(fn(), the FLOPs torch's FlopCounterMode counted while it ran, CPU attention included)."""
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS) as fc:
+        out = fn()
+    return out, fc.get_total_flops()
 
 
 def save_model(model, path, meta):

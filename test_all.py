@@ -34,7 +34,7 @@ import precompute
 import reward
 import sft
 from evaluate import evaluate_policy
-from model import (GPT, GPTConfig, estimate_flops, export_gpt2, generate, import_gpt2, load_model,
+from model import (GPT, GPTConfig, count_flops, estimate_flops, export_gpt2, generate, import_gpt2, load_model,
     new_kv_cache, read_meta, save_model, token_logprobs)
 from plumbing import Dist, init_distributed
 
@@ -315,27 +315,14 @@ def test_gpt2_import_export(tmp_path):
     assert m.lm_head.weight is m.transformer.wte.weight and m(torch.tensor([[11, 3]])).shape == (1, 2, 12)
 
 
-# On CPU, SDPA runs aten._scaled_dot_product_flash_attention_for_cpu (+ _backward), which torch 2.13's
-# FlopCounterMode has no formula for (it records 0). Its arguments start (q, k, v) and (grad_out, q, k, v)
-# like the CUDA flash kernels', so we count them with torch's own formulas for those.
-aten = torch.ops.aten
-CPU_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu:
-            lambda q, k, v, *a, **kw: flop_counter.sdpa_flop_count(q, k, v),
-            aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda g, q, k, v, *a, **kw: flop_counter.sdpa_backward_flop_count(g, q, k, v)}
-
-
 def test_estimate_flops_matches_flop_counter():
     for head in ("lm", "scalar"):
         m = tiny_gpt(head).float().train()
         cfg, B, T = m.config, 3, 20
         idx = torch.randint(0, 13, (B, T))
-        with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as fc:
-            m(idx)
-        assert fc.get_total_flops() == estimate_flops(cfg, B, T)  # exact
-        with flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_SDPA) as fc:
-            m(idx).float().pow(2).mean().backward()  # a training step: forward + backward
-        assert fc.get_total_flops() == estimate_flops(cfg, B, T, backward=True)
+        assert count_flops(lambda: m(idx))[1] == estimate_flops(cfg, B, T)  # exact
+        step = lambda: m(idx).float().pow(2).mean().backward()  # noqa: E731  a training step: forward + backward
+        assert count_flops(step)[1] == estimate_flops(cfg, B, T, backward=True)
         with flop_counter.FlopCounterMode(display=False) as fc:
             m(idx)
         attn = cfg.n_layer * 4 * B * T * T * cfg.n_embd
@@ -895,23 +882,12 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tiny, dpo_cache):  
         assert json.load(f)["step"] == 1
 
 
-# FlopCounterMode does not know torch 2.13's CPU flash-attention kernels: count them with torch's own
-# formulas, as the model tests do, so the count is comparable with model.estimate_flops exactly.
-dpo_aten = torch.ops.aten
-DPO_CPU_SDPA = {dpo_aten._scaled_dot_product_flash_attention_for_cpu:
-            lambda q, k, v, *a, **kw: flop_counter.sdpa_flop_count(q, k, v),
-            dpo_aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            lambda g, q, k, v, *a, **kw: flop_counter.sdpa_backward_flop_count(g, q, k, v)}
-
-
 def test_cached_step_costs_the_analytic_fraction_of_a_live_step(tiny, dpo_cache, monkeypatch):  # noqa: F811
     monkeypatch.setattr(dpo, "measure_peak_flops", lambda device: 1e9)  # its matmuls would be counted
     counted = {}
     for ref in ("cache", "live"):
         cfg = dpo_cfg(tiny, f"dpo-flops-{ref}", ref=ref, steps=2, stop_after=1)  # one step, no evaluation
-        with flop_counter.FlopCounterMode(display=False, custom_mapping=DPO_CPU_SDPA) as fc:
-            dpo.main(cfg)
-        counted[ref] = fc.get_total_flops()
+        counted[ref] = count_flops(lambda: dpo.main(cfg))[1]
     # expected from the model's own sizes and the step's real batch shapes
     mcfg = load_model(cfg.ref_model)[0].config
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
