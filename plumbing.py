@@ -1,8 +1,9 @@
 """The plumbing every stage repeats, so that the stages themselves show only their algorithm.
 
-Distributed setup and teardown, config dataclass -> command-line flags, rank-0 logging to stdout and
-metrics.jsonl, atomic writes, resumable checkpoints in safetensors + JSON, the learning-rate schedule,
-and the measured matmul peak used for MFU. Imports nothing from the project.
+Distributed setup and teardown, config dataclass -> command-line flags, rank-0 logging to stdout
+and metrics.jsonl, the micro-step and non-finite guards every trainer shares, atomic writes,
+resumable checkpoints in safetensors + JSON, the learning-rate schedule, and the measured matmul
+peak used for MFU. Imports nothing from the project.
 """
 import argparse
 import contextlib
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 # -----------------------------------------------------------------------------
 # distributed
@@ -71,6 +73,24 @@ def all_reduce_sum(t, d):
     return t
 
 
+def reduce_sums(d, **sums):
+    """Named sums over ranks, in one all-reduce: reduce_sums(d, loss=..., n=...) ->
+    {"loss": float, "n": float}. Each value is this rank's sum (a tensor or a number), in fp64, so
+    counts stay exact."""
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=d.device).detach().reshape(())
+                     for v in sums.values()])
+    return dict(zip(sums, all_reduce_sum(t, d).tolist()))
+
+
+def sync_grads(model, sync):
+    """The context of one micro-step, forward and backward inside it. With sync=False, DDP skips its
+    gradient all-reduce (no_sync): the micro-batches' gradients add up on each rank and are reduced
+    once, on the last micro-step (sync=True). A no-op for an unwrapped model."""
+    if sync or not isinstance(model, DDP):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
 def main_decides(flag, d):
     """Rank 0's boolean, on every rank. Used before collective work that depends on the file system
     (is a stage's output there?): ranks that looked at different moments must not disagree."""
@@ -81,12 +101,14 @@ def main_decides(flag, d):
 
 
 def require_stage(path, default, build, command, d, log):
-    """DESIGN.md's contract: with the default path a missing input is built by the earlier stage with
-    its defaults (and the log says so); with an explicit path a missing input is an error naming it."""
+    """DESIGN.md's contract: with the default path a missing input is built by the earlier stage
+    with its defaults (and the log says so); with an explicit path a missing input is an error
+    naming it."""
     if main_decides(os.path.exists(path), d):
         return
     if os.path.normpath(path) != os.path.normpath(default):
-        raise SystemExit(f"error: {path} does not exist (it was passed explicitly, so it is not built)")
+        raise SystemExit(f"error: {path} does not exist "
+                         "(it was passed explicitly, so it is not built)")
     log(f"{path} is missing: building it now, as `{command}` would")
     build()
 
@@ -96,18 +118,21 @@ def require_stage(path, default, build, command, d, log):
 
 
 def parse_config(cls, argv=None, doc=None):
-    """One flag per field (`--beta 0.1`, `--compile/--no-compile`); --help shows each field's trailing
-    comment, read from the dataclass source, so the comment and the help can't drift apart."""
+    """One flag per field (`--beta 0.1`, `--compile/--no-compile`); --help shows each field's
+    trailing comment, read from the dataclass source, so the comment and the help can't drift."""
     src = inspect.getsource(cls)
     helps = dict(re.findall(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#\s*(.*)$", src, re.M))
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(cls):
         names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
         h = f"{helps.get(f.name, '')} (default: {f.default})"
         if isinstance(f.default, bool):
-            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+            p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=f.default, help=h)
         else:
-            p.add_argument(*names, dest=f.name, type=type(f.default), default=f.default, help=h, metavar="")
+            p.add_argument(*names, dest=f.name, type=type(f.default), default=f.default, help=h,
+                           metavar="")
     return cls(**vars(p.parse_args(argv)))
 
 
@@ -119,9 +144,11 @@ def check(ok, msg):
 
 def split_batch(batch_size, micro_batch_size, world):
     """Global batch = world x accumulation steps x micro-batch; returns the accumulation steps.
-    micro_batch_size is an upper bound (a rank with fewer rows runs them in one forward), so the same
-    defaults work on 1 or 8 ranks. Derived and checked, never rewritten; the caller prints it."""
-    check(batch_size % world == 0, f"--batch_size {batch_size} is not divisible by the {world} ranks")
+    micro_batch_size is an upper bound (a rank with fewer rows runs them in one forward), so the
+    same defaults work on 1 or 8 ranks. Derived and checked, never rewritten; the caller prints
+    it."""
+    check(batch_size % world == 0,
+          f"--batch_size {batch_size} is not divisible by the {world} ranks")
     per_rank = batch_size // world
     check(per_rank % min(micro_batch_size, per_rank) == 0,
           f"--batch_size {batch_size} over {world} ranks is {per_rank} rows per rank, "
@@ -135,57 +162,68 @@ def split_batch(batch_size, micro_batch_size, world):
 
 def fmt_duration(s):
     s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class Logger:
-    """Rank 0 prints one ` | `-separated line per logged step and appends the same numbers, under
-    the same names, to metrics.jsonl. Other ranks stay silent."""
+    """Rank 0 prints; other ranks stay silent. Every stage speaks through log.print, and logs each
+    step with log.log: all its numbers go to metrics.jsonl, a short ` | `-separated line of the few
+    a reader watches goes to stdout (nanoGPT's habit), under the same names."""
 
-    def __init__(self, out_dir, d, resume_step=0):
-        self.is_main, self.t0, self.step0 = d.is_main, time.time(), max(resume_step, 0)
-        self.path = os.path.join(out_dir, "metrics.jsonl")
-        if not self.is_main or resume_step < 0:  # -1: print only, the file is not touched yet
-            return
-        os.makedirs(out_dir, exist_ok=True)
-        kept = []  # a resumed run drops the lines logged after its checkpoint, so no step appears twice
-        if resume_step > 0 and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+    def __init__(self, out_dir, d):
+        self.is_main, self.path = d.is_main, os.path.join(out_dir, "metrics.jsonl")
+        self.t0, self.step0 = time.time(), 0
 
     def print(self, *args):
         if self.is_main:
             print(*args, flush=True)
 
-    def log(self, step, total, metrics):
+    def start(self, step):
+        """Open metrics.jsonl for a run that starts at `step` (0, or where a checkpoint resumes).
+        A resumed run keeps the lines up to its checkpoint and drops the later ones, so no step
+        appears twice; the file is rewritten through a temp file, so a kill here cannot empty it."""
+        self.t0, self.step0 = time.time(), step
+        if not self.is_main:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        kept = []
+        if step > 0 and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line).get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(kept))
+
+    def log(self, step, total, metrics, show):
+        """Append {"step", **metrics} to metrics.jsonl; print the step, the `show` keys present
+        and the time left."""
         if not self.is_main:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
-        done = step - self.step0
-        eta = (time.time() - self.t0) / max(done, 1) * (total - step)
-        parts = [f"step {step}/{total}"] + [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                             for k, v in metrics.items()]
-        print(" | ".join(parts + [f"eta {fmt_duration(eta)}"]), flush=True)
+        eta = (time.time() - self.t0) / max(step - self.step0, 1) * (total - step)
+        parts = [f"{k} {metrics[k]:.4g}" for k in show if k in metrics]
+        print(" | ".join([f"step {step}/{total}", *parts, f"eta {fmt_duration(eta)}"]), flush=True)
 
 
 # -----------------------------------------------------------------------------
 # atomic writes and checkpoints
 
 
-def atomic_write_json(path, obj):
+def atomic_write_text(path, text):
     """Write to a temp file, then rename: a crash never leaves a half-written file behind."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def atomic_write_json(path, obj):
+    atomic_write_text(path, json.dumps(obj, indent=1))
 
 
 def unique_state(module):
-    """state_dict without aliases: tied weights (lm_head = wte) are stored once; load_state_dict with
-    strict=False refills the alias through the shared Parameter."""
+    """state_dict without aliases: tied weights (lm_head = wte) are stored once; load_state_dict
+    with strict=False refills the alias through the shared Parameter."""
     out, seen = {}, set()
     for k, v in module.state_dict().items():
         if v.data_ptr() not in seen:
@@ -196,9 +234,10 @@ def unique_state(module):
 
 def save_checkpoint(ckpt_dir, step, parts, state):
     """One safetensors file per checkpoint holding every module and optimizer in `parts`
-    ({"model": raw_model, "optim": optimizer, ...}; a plain tensor is stored as is), plus JSON `state`
-    (config, counters). latest.json is renamed into place last, so a crash at any moment leaves the
-    previous checkpoint intact and pointed to; older files are deleted only after that."""
+    ({"model": raw_model, "optim": optimizer, ...}; a plain tensor is stored as is), plus JSON
+    `state` (config, counters). latest.json is renamed into place last, so a crash at any moment
+    leaves the previous checkpoint intact and pointed to; older files are deleted only after
+    that."""
     os.makedirs(ckpt_dir, exist_ok=True)
     tensors, meta = {}, {"step": step, "state": state, "optim": {}}
     for name, obj in parts.items():
@@ -222,7 +261,7 @@ def save_checkpoint(ckpt_dir, step, parts, state):
 
 
 def checkpoint_state(ckpt_dir):
-    """The JSON state saved with the latest checkpoint, with its "step" added; None if there is none."""
+    """The JSON state saved with the latest checkpoint, its "step" added; None if there is none."""
     latest = os.path.join(ckpt_dir, "latest.json")
     if not os.path.exists(latest):
         return None
@@ -231,6 +270,20 @@ def checkpoint_state(ckpt_dir):
     with safe_open(os.path.join(ckpt_dir, fname), "pt") as f:
         meta = json.loads(f.metadata()["json"])
     return {**meta["state"], "step": meta["step"]}
+
+
+def stop_if_not_finite(values, where, ckpt_dir, hint):
+    """The guard every trainer runs before its optimizer step: if any of `values` ({name: float},
+    all-reduced, so every rank decides alike) is NaN or inf, stop before the update, so that no
+    non-finite tensor is ever stepped into or saved, and name the last good checkpoint."""
+    bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+    if not bad:
+        return
+    last = checkpoint_state(ckpt_dir)
+    kept = f"{ckpt_dir} at step {last['step']}" if last else "none (no checkpoint was written yet)"
+    what = ", ".join(f"{k} ({v})" for k, v in bad.items())
+    raise SystemExit(f"error: non-finite {what} at {where}: stopped before the update; the last "
+                     f"good checkpoint is kept: {kept}. {hint}")
 
 
 def load_checkpoint(ckpt_dir, parts, device):
@@ -256,7 +309,8 @@ def load_checkpoint(ckpt_dir, parts, device):
         else:
             missing, unexpected = obj.load_state_dict(sub, strict=False)
             aliases = {k for k, v in obj.state_dict().items() if k not in sub}
-            check(not unexpected and set(missing) <= aliases, f"{path}: {name} does not match the model "
+            check(not unexpected and set(missing) <= aliases,
+                  f"{path}: {name} does not match the model "
                   f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
             obj.to(device)
     return meta["step"], {**meta["state"], "tensors": loose}
@@ -267,11 +321,12 @@ def load_checkpoint(ckpt_dir, parts, device):
 
 
 def lr_at(step, total, lr, warmup, min_lr_frac=0.1):
-    """Linear warmup, then cosine decay to min_lr_frac * lr (min_lr_frac=1: constant after warmup)."""
+    """Linear warmup, then cosine decay to min_lr_frac * lr (min_lr_frac=1: constant after it)."""
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
-    return lr * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return lr * (min_lr_frac + (1 - min_lr_frac) * cosine)
 
 
 def autocast(device):
@@ -282,11 +337,11 @@ def autocast(device):
 
 
 def measure_peak_flops(device, n=None, reps=5):
-    """The device's dense matmul throughput, measured once at start: MFU = model FLOPs / this. Measured
-    rather than read from a spec sheet, so the number is honest on any CPU or GPU (bf16 on CUDA)."""
+    """The device's dense matmul throughput, measured once at start: MFU = model FLOPs / this.
+    Measured rather than read from a spec sheet, so the number is honest on any CPU or GPU."""
     n = n or (8192 if device.type == "cuda" else 1024)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     a @ b  # warm-up
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
@@ -298,14 +353,16 @@ def measure_peak_flops(device, n=None, reps=5):
 
 
 def clock(d):
-    """Wall time; on CUDA it first waits for the queued kernels, so each phase is charged its own time."""
+    """Wall time; on CUDA it first waits for the queued kernels, so each phase is charged its own
+    time."""
     if d.device.type == "cuda":
         torch.cuda.synchronize(d.device)
     return time.perf_counter()
 
 
 def lap(times, phase, d):
-    """Charge the time since the previous lap to times["time/" + phase] (ms); times["t"] is that lap."""
+    """Charge the time since the previous lap to times["time/" + phase] (ms); times["t"] is that
+    lap."""
     now = clock(d)
     times[f"time/{phase}"] = times.get(f"time/{phase}", 0.0) + 1000 * (now - times["t"])
     times["t"] = now
@@ -313,22 +370,27 @@ def lap(times, phase, d):
 
 def adamw(model, lr, weight_decay):
     """AdamW with weight decay on the weight matrices only, not on biases, LayerNorm gains or the
-    position table (GPT-2 / nanoGPT). fused: one kernel for all tensors instead of a loop of small ones."""
-    decay = [p for p in model.parameters() if p.dim() >= 2 and p is not model.transformer.wpe.weight]
+    position table (GPT-2 / nanoGPT). fused: one kernel for all tensors instead of a loop of small
+    ones."""
+    wpe = model.transformer.wpe.weight
+    decay = [p for p in model.parameters() if p.dim() >= 2 and p is not wpe]
     rest = [p for p in model.parameters() if not any(p is q for q in decay)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), fused=True)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
 def resume(ckpt_dir, cfg, parts, device, log, free=("resume", "stop_after")):
-    """Continue from ckpt_dir when it holds a run of this same config (the fields in `free` may differ):
-    fills `parts` and returns (step, state). A checkpoint of another config stops the run and names what
-    differs, rather than silently mixing two runs. (0, {}) with no checkpoint or with --no-resume."""
+    """Continue from ckpt_dir when it holds a run of this same config (the fields in `free` may
+    differ): fills `parts` and returns (step, state). A checkpoint of another config stops the run
+    and names what differs, rather than silently mixing two runs. (0, {}) with no checkpoint or with
+    --no-resume."""
     saved = checkpoint_state(ckpt_dir) if cfg.resume else None
     if saved is None:
         return 0, {}
     ours = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
-    diff = [f"{k} {saved['config'].get(k)} -> {v}" for k, v in ours.items() if saved["config"].get(k) != v]
+    old = saved["config"]
+    diff = [f"{k} {old.get(k)} -> {v}" for k, v in ours.items() if old.get(k) != v]
     check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
           f"pass --no-resume to start over, or another --out_dir")
     step, state = load_checkpoint(ckpt_dir, parts, device)

@@ -1,21 +1,21 @@
-"""Stage 2 of the PPO way: the reward model r_φ, learned from the preference pairs (Ouyang et al. 2022, sec. 3.5).
+"""Stage 2 of the PPO way: the reward model r_φ, learned from the preference pairs (Ouyang et al.
+2022, sec. 3.5).
 
-    python reward.py                          # one process; builds out/sft (and the task) first if missing
+    python reward.py                          # one process; builds out/sft if missing
     torchrun --nproc_per_node=8 reward.py     # plain DDP over 8 ranks (nccl on GPUs, gloo on CPUs)
     python reward.py --help                   # every flag, e.g. --train_pairs my_pairs.jsonl
 
-r_φ is π_ref's transformer with a scalar head, read at the last token of prompt + response (the EOS of
-a finished response), trained with the Bradley-Terry loss -log σ(r(x,y_w) - r(x,y_l)) on the same
+r_φ is π_ref's transformer with a scalar head, read at the last token of prompt + response (the EOS
+of a finished response), trained with the Bradley-Terry loss -log σ(r(x,y_w) - r(x,y_l)) on the same
 pairs DPO trains on. Then it is shifted so that π_ref's own completions of train prompts score 0 on
-average, the "reward normalization" of lm-human-preferences (Ziegler et al. 2019), which also rescales
-to std 1; we keep the scale the pairs taught, so r_φ stays in the units of the Bradley-Terry logit.
-Writes out/reward/: model.safetensors (the offset in its metadata), metrics.jsonl, eval.json
-(val_accuracy on held-out pairs) and a resumable checkpoint in ckpt/. ppo.py reads it as its reward
-service and initializes its critic from it.
+average, the "reward normalization" of lm-human-preferences (Ziegler et al. 2019), which also
+rescales to std 1; we keep the scale the pairs taught, so r_φ stays in the units of the
+Bradley-Terry logit. Writes out/reward/: model.safetensors (the offset in its metadata),
+metrics.jsonl, eval.json (val_accuracy on held-out pairs) and a resumable checkpoint in ckpt/.
+ppo.py reads it as its reward service and initializes its critic from it.
 """
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -26,23 +26,26 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import data
 import sft
 from model import GPT, estimate_flops, generate, read_meta, save_model
-from plumbing import (Logger, adamw, all_reduce_sum, atomic_write_json, autocast, barrier, check,
-                      init_distributed, lr_at, measure_peak_flops, parse_config, require_stage, resume,
-                      save_checkpoint, split_batch, teardown)
+from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check,
+                      init_distributed, lr_at, measure_peak_flops, parse_config, reduce_sums,
+                      require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
+                      sync_grads, teardown)
 
 
 @dataclass
 class Config:
     out_dir: str = "out/reward"  # this stage's folder: model, metrics, eval, checkpoint
-    sft: str = "out/sft/model.safetensors"  # π_ref: r_φ starts from its transformer; its folder holds tokenizer.json
-    train_pairs: str = "out/task/pairs_train.jsonl"  # preference JSONL {"prompt","chosen","rejected"}: DPO's pairs
+    sft: str = "out/sft/model.safetensors"  # π_ref: r_φ starts from its transformer and tokenizer
+    train_pairs: str = "out/task/pairs_train.jsonl"  # preference JSONL: DPO's pairs
     val_pairs: str = "out/task/pairs_val.jsonl"  # held-out pairs for val_accuracy
     prompts: str = "out/task/prompts_train.jsonl"  # π_ref completes some of these to set the offset
     max_prompt_len: int = 32  # a pair longer than the block keeps at least this many prompt tokens
-    steps: int = 120  # optimizer steps (about 2 epochs of the built-in task: InstructGPT trains 1, r_φ overfits fast)
+    # optimizer steps: about 2 epochs of the built-in task (InstructGPT trains 1; r_φ overfits fast)
+    steps: int = 120
     batch_size: int = 64  # global batch in pairs per step, all ranks together
     micro_batch_size: int = 32  # pairs per forward on one rank ([chosen; rejected] = 2x the rows)
-    lr: float = 3e-3  # peak AdamW learning rate (π_ref's own; 1e-4 barely moves the zero-init head in 120 steps)
+    # peak AdamW learning rate: π_ref's own; 1e-4 barely moves the zero-init head in 120 steps
+    lr: float = 3e-3
     warmup: int = 10  # linear warmup steps, then cosine decay
     min_lr_frac: float = 0.1  # cosine ends at this fraction of lr
     weight_decay: float = 0.0  # AdamW decay on matrices
@@ -60,45 +63,47 @@ class Config:
 
 
 def bt_loss(r_chosen, r_rejected):
-    """Bradley-Terry negative log-likelihood, eq. 1 of Ouyang et al. 2022 (and eq. 2 of the DPO paper):
+    """Bradley-Terry negative log-likelihood, eq. 1 of Ouyang et al. 2022 (eq. 2 of the DPO paper):
     -log σ(r(x,y_w) - r(x,y_l)), mean over the batch. r_chosen, r_rejected (B,) -> scalar.
     Only the difference is learned: r_φ + c fits as well, hence the offset chosen after training."""
     return -F.logsigmoid(r_chosen - r_rejected).mean()
 
 
 def last_index(mask):
-    """(B,T) bool -> (B,) long, the column of each row's last True (a row is assumed to have one)."""
+    """(B,T) bool -> (B,) long, the column of each row's last True (every row has one)."""
     cols = torch.arange(mask.shape[1], device=mask.device)
     return torch.where(mask, cols, -1).amax(1)
 
 
 def score_at_last(values, mask):
-    """The reward of each sequence: the scalar head's output (B,T) at the last real token, mask (B,T)
-    True on real tokens. Read after the EOS was seen, so the whole response is scored (Stiennon et al.
-    2020 read the same place); causal attention makes it blind to whatever padding follows."""
+    """The reward of each sequence: the scalar head's output (B,T) at the last real token, mask
+    (B,T) True on real tokens. Read after the EOS was seen, so the whole response is scored
+    (Stiennon et al. 2020 read the same place); causal attention makes it blind to later padding."""
     return values.gather(1, last_index(mask)[:, None]).squeeze(1)
 
 
 def pair_mask(targets):
-    """Real-token mask (N,T) of a right-padded collate() batch from its targets: token t is a response
-    token when targets[t-1] != -100 (position t-1 predicts it); the prompt comes before them."""
+    """Real-token mask (N,T) of a right-padded collate() batch from its targets: token t is a
+    response token when targets[t-1] != -100 (position t-1 predicts it); the prompt comes first."""
     m = torch.zeros_like(targets, dtype=torch.bool)
     m[:, 1:] = targets[:, :-1] != -100
     return m
 
 
 def load_trunk(path, head, device):
-    """A GPT with `head` ("lm" or "scalar") from a save_model file: the transformer always, the head when
-    the file has the same kind (an LM file gives a scalar model a fresh zero head). Dropout is off, as
-    lm-human-preferences and TRL do: with dropout the same tokens get other log-probs in the rollout and
-    in the update, and the PPO ratio is noise. Returns (model, meta)."""
+    """A GPT with `head` ("lm" or "scalar") from a save_model file: the transformer always, the head
+    when the file has the same kind (an LM file gives a scalar model a fresh zero head). Dropout is
+    off, as lm-human-preferences and TRL do: with dropout the same tokens get other log-probs in the
+    rollout and in the update, and the PPO ratio is noise. Returns (model, meta)."""
     cfg, meta = read_meta(path)
     model = GPT(replace(cfg, head=head, dropout=0.0))
-    sd = {k: v for k, v in load_file(path).items() if k.startswith("transformer.") or cfg.head == head}
+    sd = {k: v for k, v in load_file(path).items()
+          if k.startswith("transformer.") or cfg.head == head}
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    fresh = {"lm_head.weight"} if head == "lm" else ({"score.weight", "score.bias"} if cfg.head != head else set())
-    check(not unexpected and set(missing) <= fresh,
-          f"{path}: not a GPT save_model file (missing {missing[:2]}, unexpected {unexpected[:2]})")
+    fresh = ({"lm_head.weight"} if head == "lm"
+             else {"score.weight", "score.bias"} if cfg.head != head else set())
+    check(not unexpected and set(missing) <= fresh, f"{path}: not a GPT save_model file "
+          f"(missing {missing[:2]}, unexpected {unexpected[:2]})")
     return model.to(device), meta
 
 
@@ -123,19 +128,19 @@ def val_metrics(model, examples, pad, cfg, d):
     """Held-out accuracy (ties count half) and loss, sharded over ranks."""
     model.eval()
     rc, rr = pair_scores(model, examples[d.rank::d.world], pad, cfg.micro_batch_size, d.device)
-    s = torch.stack([((rc > rr).float() + 0.5 * (rc == rr).float()).sum(), -F.logsigmoid(rc - rr).sum(),
-                     torch.tensor(float(len(rc)), device=d.device)])
-    acc, loss, n = all_reduce_sum(s, d).tolist()
+    s = reduce_sums(d, correct=((rc > rr).float() + 0.5 * (rc == rr).float()).sum(),
+                    loss=-F.logsigmoid(rc - rr).sum(), n=len(rc))
     model.train()
-    return acc / n, loss / n
+    return s["correct"] / s["n"], s["loss"] / s["n"]
 
 
 @torch.no_grad()
 def ref_scores(rm, ref, tok, prompts, d, seed, batch_size=64):
-    """Sample one completion per prompt from π_ref (temperature 1, the KV-cache sampler PPO's rollout
-    engine uses), sharded over ranks, and score it with r_φ. Returns global sums (n, Σr, Σr², Σt, Σt², Σrt)
-    of r_φ's score r and the hidden true reward t (for the correlation: what r_φ learned of the truth)."""
-    block, s = ref.config.block_size, torch.zeros(6, dtype=torch.float64, device=d.device)
+    """Sample one completion per prompt from π_ref (temperature 1, the KV-cache sampler PPO's
+    rollout engine uses), sharded over ranks, and score it with r_φ. Returns global sums {n, r, r2,
+    t, t2, rt} of r_φ's score r and the hidden true reward t (their correlation: what r_φ learned
+    of the truth)."""
+    block, s = ref.config.block_size, dict.fromkeys(["n", "r", "r2", "t", "t2", "rt"], 0.0)
     mine = prompts[d.rank::d.world]
     g = torch.Generator(device=d.device).manual_seed(seed + d.rank)
     for i in range(0, len(mine), batch_size):
@@ -146,9 +151,10 @@ def ref_scores(rm, ref, tok, prompts, d, seed, batch_size=64):
         t = torch.tensor([data.true_reward(p, tok.decode(y[m].tolist())) for p, y, m in
                           zip(mine[i:i + batch_size], out["tokens"], out["response_mask"])],
                          dtype=torch.float64, device=d.device)
-        s += torch.stack([torch.tensor(float(len(r)), device=d.device), r.sum(), (r * r).sum(), t.sum(), (t * t).sum(),
-                          (r * t).sum()])
-    return all_reduce_sum(s, d).tolist()
+        for k, v in (("n", len(r)), ("r", r.sum()), ("r2", (r * r).sum()), ("t", t.sum()),
+                     ("t2", (t * t).sum()), ("rt", (r * t).sum())):
+            s[k] += v
+    return reduce_sums(d, **s)
 
 
 # -----------------------------------------------------------------------------
@@ -156,34 +162,40 @@ def ref_scores(rm, ref, tok, prompts, d, seed, batch_size=64):
 
 def main(cfg):
     d = init_distributed()
-    say = lambda *a: print(*a, flush=True) if d.is_main else None  # noqa: E731  rank 0 speaks
+    log = Logger(cfg.out_dir, d)
     # ---- inputs: π_ref and the task's pairs, built when the default paths are missing
-    require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d, say)
+    require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d,
+                  log.print)
     for path, default in [(cfg.train_pairs, Config.train_pairs), (cfg.val_pairs, Config.val_pairs),
                           (cfg.prompts, Config.prompts)]:
-        require_stage(path, default, lambda: sft.build_task(d), "python -c 'import data; data.ensure_task()'",
-                      d, say)
+        require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log.print)
     tok = data.load_tokenizer(os.path.join(os.path.dirname(cfg.sft), "tokenizer.json"))
     raw_model, _ = load_trunk(cfg.sft, "scalar", d.device)
     block = raw_model.config.block_size
-    check(2 <= cfg.max_prompt_len < block, f"--max_prompt_len {cfg.max_prompt_len} must be in [2, {block})")
-    train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), block, cfg.max_prompt_len)
+    check(2 <= cfg.max_prompt_len < block,
+          f"--max_prompt_len {cfg.max_prompt_len} must be in [2, {block})")
+    train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), block,
+                                       cfg.max_prompt_len)
     val, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.val_pairs), block, cfg.max_prompt_len)
-    say(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and {stats['truncated_response']} "
-              f"responses cut to {block} tokens, {stats['unusable']} unusable), {len(val)} val pairs")
-    check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, fewer than "
-          f"--batch_size {cfg.batch_size}")
+    log.print(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and "
+              f"{stats['truncated_response']} responses cut to {block} tokens, "
+              f"{stats['unusable']} unusable), {len(val)} val pairs")
+    check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, "
+          f"fewer than --batch_size {cfg.batch_size}")
 
     # ---- model, optimizer, resume
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
-    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, say)
-    log = Logger(cfg.out_dir, d, resume_step=start)  # metrics.jsonl keeps the steps up to `start`
-    model = DDP(raw_model, device_ids=[d.local_rank] if d.device.type == "cuda" else None) if d.world > 1 else raw_model
+    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print)
+    log.start(start)  # metrics.jsonl keeps the steps up to `start`
+    model = raw_model
+    if d.world > 1:
+        model = DDP(raw_model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
+    mb = cfg.batch_size // d.world // accum
     peak = measure_peak_flops(d.device)
-    log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | batch "
-              f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {cfg.batch_size // d.world // accum} | "
+    log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | "
+              f"batch {cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {mb} | "
               f"device {d.device}")
 
     # ---- training loop
@@ -193,62 +205,76 @@ def main(cfg):
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        mine = data.rank_slice(data.global_batch(len(train), cfg.batch_size, step, cfg.seed), d.rank, d.world)
-        sums, flops = torch.zeros(3, device=d.device), 0  # Σ loss, Σ correct, Σ margin over this rank's pairs
+        mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed)
+        mine = data.rank_slice(mine, d.rank, d.world)
+        sums, flops = dict.fromkeys(["loss", "correct", "margin"], 0.0), 0
         for m in range(accum):
-            b = data.collate_pairs([train[i] for i in mine[m * cfg.micro_batch_size:(m + 1) * cfg.micro_batch_size]],
-                                   tok.pad)
+            b = data.collate_pairs([train[i] for i in mine[m * mb:(m + 1) * mb]], tok.pad)
             x, mask = b["input_ids"].to(d.device), pair_mask(b["targets"]).to(d.device)
-            sync = d.world == 1 or m == accum - 1  # all-reduce only on the last micro-step
-            with (nullcontext() if sync else model.no_sync()), autocast(d.device):
-                r = score_at_last(model(x).float(), mask)  # (2B,): [chosen; rejected]
+            with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
+                with autocast(d.device):
+                    r = score_at_last(model(x).float(), mask)  # (2B,): [chosen; rejected]
                 rc, rr = r.chunk(2)
                 loss = bt_loss(rc, rr)
-                # bt_loss is a mean over this micro-batch: rescale to a mean over the global batch (DDP averages ranks)
+                # bt_loss is a mean over this micro-batch: rescale it to a mean over the global
+                # batch (x world: DDP averages over ranks)
                 (loss * len(rc) * d.world / cfg.batch_size).backward()
-            sums += torch.stack([loss.detach() * len(rc), (rc > rr).float().sum(), (rc - rr).detach().sum()])
+            for k, v in (("loss", loss.detach() * len(rc)), ("correct", (rc > rr).float().sum()),
+                         ("margin", (rc - rr).detach().sum())):
+                sums[k] += v
             flops += estimate_flops(raw_model.config, *x.shape, backward=True)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        s = {k: v / cfg.batch_size for k, v in reduce_sums(d, **sums).items()}
+        stop_if_not_finite({"loss": s["loss"], "grad_norm": grad_norm}, f"step {step + 1}",
+                           ckpt_dir, "Try a lower --lr.")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss, acc, margin = (all_reduce_sum(sums, d) / cfg.batch_size).tolist()
         dt = time.perf_counter() - t0
-        metrics = {"loss": loss, "accuracy": acc, "margin": margin, "grad_norm": grad_norm.item(), "lr": lr,
-                   "mfu": flops / dt / peak, "time/step_ms": 1000 * dt}
+        metrics = {"loss": s["loss"], "accuracy": s["correct"], "margin": s["margin"],
+                   "grad_norm": grad_norm, "lr": lr, "mfu": flops / dt / peak,
+                   "time/step": 1000 * dt}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_accuracy"], metrics["val_loss"] = val_metrics(model, val, tok.pad, cfg, d)
-        if d.is_main and ((step + 1) % 10 == 0 or "val_loss" in metrics or step == start):
-            log.log(step + 1, cfg.steps, metrics)
+        if (step + 1) % 10 == 0 or "val_loss" in metrics or step == 0:
+            log.log(step + 1, cfg.steps, metrics, show=("loss", "accuracy", "val_loss",
+                                                        "val_accuracy", "grad_norm", "time/step"))
         if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
-            save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt}, {"config": asdict(cfg)})
+            save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
+                            {"config": asdict(cfg)})
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
     if end < cfg.steps:
-        log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from step {end}")
+        log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from "
+                  f"step {end}")
         return teardown(d)
 
     # ---- outputs: held-out accuracy, the offset, the model
     val_acc, val_loss = val_metrics(model, val, tok.pad, cfg, d)
-    rows = data.read_pairs(cfg.val_pairs)  # the best any reward can do on these noisy (Bradley-Terry) labels
-    true = [(data.true_reward(r["prompt"], r["chosen"]), data.true_reward(r["prompt"], r["rejected"])) for r in rows]
-    oracle = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in true)
+    # the best any reward can do on these noisy (Bradley-Terry) labels: the true reward's accuracy
+    rows = data.read_pairs(cfg.val_pairs)
+    true = [(data.true_reward(r["prompt"], r["chosen"]),
+             data.true_reward(r["prompt"], r["rejected"])) for r in rows]
+    oracle = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in true) / len(rows)
     ref, _ = load_trunk(cfg.sft, "lm", d.device)
     prompts = data.read_prompts(cfg.prompts)[:cfg.offset_samples]
     raw_model.eval()
-    n, s, s2, t, t2, st = ref_scores(raw_model, ref, tok, prompts, d, cfg.seed)
-    offset, std = s / n, max(s2 / n - (s / n) ** 2, 0.0) ** 0.5
-    t_std = max(t2 / n - (t / n) ** 2, 0.0) ** 0.5
-    corr = (st / n - s / n * t / n) / max(std * t_std, 1e-12)
-    with torch.no_grad():
-        raw_model.score.bias -= offset  # folded into the head, so every reader (PPO, its critic) gets it
-    result = {"val_accuracy": val_acc, "val_loss": val_loss, "oracle_val_accuracy": oracle / len(rows),
-              "offset": offset, "ref_score_std": std, "ref_true_reward_corr": corr, "steps": cfg.steps}
+    s = ref_scores(raw_model, ref, tok, prompts, d, cfg.seed)
+    mean = lambda k: s[k] / s["n"]  # noqa: E731
+    offset, std = mean("r"), max(mean("r2") - mean("r") ** 2, 0.0) ** 0.5
+    t_std = max(mean("t2") - mean("t") ** 2, 0.0) ** 0.5
+    corr = (mean("rt") - mean("r") * mean("t")) / max(std * t_std, 1e-12)
+    with torch.no_grad():  # folded into the head, so every reader (PPO, its critic) gets it
+        raw_model.score.bias -= offset
+    result = {"val_accuracy": val_acc, "val_loss": val_loss, "oracle_val_accuracy": oracle,
+              "offset": offset, "ref_score_std": std, "ref_true_reward_corr": corr,
+              "steps": cfg.steps}
     if d.is_main:
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "reward", "sft": cfg.sft, "train_pairs": cfg.train_pairs, **result})
         atomic_write_json(os.path.join(cfg.out_dir, "eval.json"), result)
-        log.print(f"val accuracy {val_acc:.3f} (the true reward gets {oracle / len(rows):.3f} of these noisy labels) | "
-                  f"π_ref's completions scored {offset:+.3f} ± {std:.3f} before the offset, now 0 | "
-                  f"correlation with the true reward {corr:.3f}; r_φ saved to {cfg.out_dir}/model.safetensors")
+        log.print(f"val accuracy {val_acc:.3f} (the true reward gets {oracle:.3f} of these noisy "
+                  f"labels) | π_ref's completions scored {offset:+.3f} ± {std:.3f} before the "
+                  f"offset, now 0 | correlation with the true reward {corr:.3f}; r_φ saved to "
+                  f"{cfg.out_dir}/model.safetensors")
     teardown(d)
 
 

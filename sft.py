@@ -2,16 +2,16 @@
 
     python sft.py                          # one process, CPU or one GPU, the built-in task
     torchrun --nproc_per_node=8 sft.py     # plain DDP over 8 ranks (nccl on GPUs, gloo on CPUs)
-    python sft.py --help                   # every flag, e.g. --train_text my.txt --tokenizer gpt2/tokenizer.json
+    python sft.py --help                   # every flag, e.g. --train_text my.txt --tokenizer t.json
 
-Writes out/sft/: model.safetensors (π_ref, where DPO and PPO both start), tokenizer.json, metrics.jsonl,
-eval.json (val loss beside the task's entropy floor) and a resumable checkpoint in ckpt/.
+Writes out/sft/: model.safetensors (π_ref, where DPO and PPO both start), tokenizer.json,
+metrics.jsonl, eval.json (val loss beside the task's entropy floor) and a resumable checkpoint in
+ckpt/.
 """
 import json
 import os
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -19,19 +19,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 from model import GPT, GPTConfig, estimate_flops, import_gpt2, save_model, token_logprobs
-from plumbing import (Logger, adamw, all_reduce_sum, atomic_write_json, autocast, barrier, check,
-                      init_distributed, lr_at, measure_peak_flops, parse_config, require_stage, resume,
-                      save_checkpoint, split_batch, teardown)
+from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check,
+                      init_distributed, lr_at, measure_peak_flops, parse_config, reduce_sums,
+                      require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
+                      sync_grads, teardown)
 
 
 @dataclass
 class Config:
     out_dir: str = "out/sft"  # this stage's folder: model, tokenizer, metrics, eval, checkpoint
-    train_text: str = "out/task/sft_train.txt"  # one text per line; the default task is built if missing
+    train_text: str = "out/task/sft_train.txt"  # one text per line; the task is built if missing
     val_text: str = "out/task/sft_val.txt"  # held-out texts for the val loss
-    tokenizer: str = "out/task/tokenizer.json"  # any tokenizer.json (GPT-2's too); PAD is added if absent
+    tokenizer: str = "out/task/tokenizer.json"  # any tokenizer.json (GPT-2's too); PAD added
     init_from: str = ""  # "" = GPT-2 init from scratch, or a Hugging Face GPT-2 model.safetensors
-    block_size: int = 64  # longest sequence in tokens; longer texts are cut from the right and counted
+    block_size: int = 64  # longest sequence in tokens; longer texts are cut and counted
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads per block
     n_embd: int = 64  # residual stream width (64 reaches ~0.03 nats of the task's floor)
@@ -64,58 +65,60 @@ def build_task(d):
 def val_loss(model, examples, cfg, d, pad):
     """Mean NLL per predicted token over all val texts, each rank taking every world-th text."""
     model.eval()
-    nll, n = torch.zeros(2, device=d.device).unbind(0)
-    mine = examples[d.rank::d.world]
-    for i in range(0, len(mine), cfg.micro_batch_size):
-        x, y = data.collate([(e["prompt"], e["response"]) for e in mine[i:i + cfg.micro_batch_size]], pad)
+    nll = n = 0.0
+    mine, mb = examples[d.rank::d.world], cfg.micro_batch_size
+    for i in range(0, len(mine), mb):
+        x, y = data.collate([(e["prompt"], e["response"]) for e in mine[i:i + mb]], pad)
         x, y = x.to(d.device), y.to(d.device)
         with autocast(d.device):
             logp = token_logprobs(model(x), y)
         nll, n = nll - logp.sum(), n + (y != -100).sum()
-    total = all_reduce_sum(torch.stack([nll, n.float()]), d)
+    s = reduce_sums(d, nll=nll, n=n)
     model.train()
-    return (total[0] / total[1]).item()
+    return s["nll"] / s["n"]
 
 
 def main(cfg):
     d = init_distributed()
-    log = Logger(cfg.out_dir, d, resume_step=-1)  # prints only; metrics.jsonl is opened once the start step is known
+    log = Logger(cfg.out_dir, d)
     # ---- inputs: the task's text and tokenizer, built when the default paths are missing
     for path, default in [(cfg.train_text, Config.train_text), (cfg.val_text, Config.val_text),
                           (cfg.tokenizer, Config.tokenizer)]:
-        require_stage(path, default, lambda: build_task(d), "python -c 'import data; data.ensure_task()'",
-                      d, log.print)
+        require_stage(path, default, lambda: build_task(d), "python data.py", d, log.print)
     tok = data.load_tokenizer(cfg.tokenizer)
     train, stats = data.tokenize_texts(tok, data.read_texts(cfg.train_text), cfg.block_size)
     val, val_stats = data.tokenize_texts(tok, data.read_texts(cfg.val_text), cfg.block_size)
-    log.print(f"data: {len(train)} train texts ({stats['truncated']} cut to {cfg.block_size} tokens), "
-              f"{len(val)} val texts ({val_stats['truncated']} cut)")
-    check(len(train) >= cfg.batch_size, f"{cfg.train_text} has {len(train)} usable texts, fewer than "
-          f"--batch_size {cfg.batch_size}")
+    log.print(f"data: {len(train)} train texts ({stats['truncated']} cut to {cfg.block_size} "
+              f"tokens), {len(val)} val texts ({val_stats['truncated']} cut)")
+    check(len(train) >= cfg.batch_size, f"{cfg.train_text} has {len(train)} usable texts, fewer "
+          f"than --batch_size {cfg.batch_size}")
 
     # ---- model, optimizer, resume
-    torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's weights)
+    torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
     if cfg.init_from:
-        raw_model = import_gpt2(cfg.init_from, block_size=cfg.block_size, vocab_size=tok.vocab_size)
-        check(raw_model.config.vocab_size == tok.vocab_size, f"{cfg.init_from} has a vocabulary of "
-              f"{raw_model.config.vocab_size}, larger than the tokenizer's {tok.vocab_size}: the wrong tokenizer?")
+        raw_model = import_gpt2(cfg.init_from, block_size=cfg.block_size,
+                                vocab_size=tok.vocab_size)
+        check(raw_model.config.vocab_size == tok.vocab_size, f"{cfg.init_from} has a vocabulary "
+              f"of {raw_model.config.vocab_size}, larger than the tokenizer's {tok.vocab_size}: "
+              "the wrong tokenizer?")
     else:
-        raw_model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=tok.vocab_size, n_layer=cfg.n_layer,
-                                  n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout))
+        raw_model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=tok.vocab_size,
+                                  n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                                  dropout=cfg.dropout))
     raw_model.to(d.device)
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print)
-    log = Logger(cfg.out_dir, d, resume_step=start)
+    log.start(start)  # metrics.jsonl keeps the steps up to `start`
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if d.world > 1:
         model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     peak = measure_peak_flops(d.device)
-    log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | batch "
-              f"{cfg.batch_size} = {d.world} ranks x {accum} accumulation x {cfg.batch_size // d.world // accum} "
-              f"| device {d.device} | "
-              f"peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")
+    mb = cfg.batch_size // d.world // accum
+    log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | "
+              f"batch {cfg.batch_size} = {d.world} ranks x {accum} accumulation x {mb} | device "
+              f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")
 
     # ---- training loop
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
@@ -125,35 +128,40 @@ def main(cfg):
         for g in opt.param_groups:
             g["lr"] = lr
         batch = data.global_batch(len(train), cfg.batch_size, step, cfg.seed)
-        # Normalise by the global batch's token count, known on every rank, so that the gradient is
-        # the same mean over tokens whatever the world size and accumulation (DDP averages over ranks).
+        # Normalise by the global batch's token count, known on every rank, so that the gradient
+        # is the same mean over tokens whatever the world size and accumulation (DDP averages).
         n_tok = sum(len(train[i]["response"]) for i in batch)
-        mine, flops, nll = data.rank_slice(batch, d.rank, d.world), 0, torch.zeros((), device=d.device)
+        mine, flops, nll = data.rank_slice(batch, d.rank, d.world), 0, 0.0
         for m in range(accum):
-            rows = [train[i] for i in mine[m * cfg.micro_batch_size:(m + 1) * cfg.micro_batch_size]]
+            rows = [train[i] for i in mine[m * mb:(m + 1) * mb]]
             x, y = data.collate([(e["prompt"], e["response"]) for e in rows], tok.pad)
             x, y = x.to(d.device), y.to(d.device)
-            sync = d.world == 1 or m == accum - 1  # all-reduce only on the last micro-step
-            with (nullcontext() if sync else model.no_sync()), autocast(d.device):
-                logp = token_logprobs(model(x), y)  # (B, T), 0 on prompt and padding
+            with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
+                with autocast(d.device):
+                    logp = token_logprobs(model(x), y)  # (B, T), 0 on prompt and padding
                 (-logp.sum() * d.world / n_tok).backward()
             nll -= logp.sum().detach()
-            flops += estimate_flops(raw_model.config, *x.shape, backward=True)  # forward + backward
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            flops += estimate_flops(raw_model.config, *x.shape, backward=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        loss = reduce_sums(d, nll=nll)["nll"] / n_tok  # the global batch's mean NLL per token
+        stop_if_not_finite({"loss": loss, "grad_norm": grad_norm}, f"step {step + 1}", ckpt_dir,
+                           "Try a lower --lr.")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss = all_reduce_sum(nll, d).item() / n_tok  # the global batch's mean NLL per token
         dt = time.perf_counter() - t0
-        metrics = {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_sec": n_tok / dt,
-                   "mfu": flops / dt / peak, "time/step_ms": 1000 * dt}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": n_tok / dt,
+                   "mfu": flops / dt / peak, "time/step": 1000 * dt}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_loss"] = val_loss(model, val, cfg, d, tok.pad)
-        if d.is_main and ((step + 1) % 10 == 0 or "val_loss" in metrics or step == start):
-            log.log(step + 1, cfg.steps, metrics)
+        if (step + 1) % 10 == 0 or "val_loss" in metrics or step == 0:
+            log.log(step + 1, cfg.steps, metrics,
+                    show=("loss", "val_loss", "grad_norm", "lr", "time/step"))
         if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
-            save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt}, {"config": asdict(cfg)})
+            save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
+                            {"config": asdict(cfg)})
     if end < cfg.steps:
-        log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from step {end}")
+        log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from "
+                  f"step {end}")
         return teardown(d)
 
     # ---- outputs: π_ref and its evaluation
@@ -161,17 +169,22 @@ def main(cfg):
     if d.is_main:
         task = os.path.join(os.path.dirname(cfg.val_text), "task.json")
         floor = None
-        if os.path.abspath(cfg.val_text) == os.path.abspath(Config.val_text) and os.path.exists(task):
+        default_val = os.path.abspath(cfg.val_text) == os.path.abspath(Config.val_text)
+        if default_val and os.path.exists(task):
             with open(task) as f:
                 floor = json.load(f).get("floor_nats_per_token")
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
-                   {"stage": "sft", "step": cfg.steps, "val_loss": final, "train_text": cfg.train_text})
-        shutil.copyfile(cfg.tokenizer, os.path.join(cfg.out_dir, "tokenizer.json.tmp"))
-        os.replace(os.path.join(cfg.out_dir, "tokenizer.json.tmp"), os.path.join(cfg.out_dir, "tokenizer.json"))
-        atomic_write_json(os.path.join(cfg.out_dir, "eval.json"), {"val_loss": final, "floor_nats_per_token": floor,
-                          "train_truncated": stats["truncated"], "steps": cfg.steps})
+                   {"stage": "sft", "step": cfg.steps, "val_loss": final,
+                    "train_text": cfg.train_text})
+        tok_out = os.path.join(cfg.out_dir, "tokenizer.json")
+        shutil.copyfile(cfg.tokenizer, tok_out + ".tmp")
+        os.replace(tok_out + ".tmp", tok_out)
+        atomic_write_json(os.path.join(cfg.out_dir, "eval.json"),
+                          {"val_loss": final, "floor_nats_per_token": floor,
+                           "train_truncated": stats["truncated"], "steps": cfg.steps})
         gap = f" (the generator's floor is {floor:.4f})" if floor is not None else ""
-        log.print(f"val loss {final:.4f} nats/token{gap}; π_ref saved to {cfg.out_dir}/model.safetensors")
+        log.print(f"val loss {final:.4f} nats/token{gap}; π_ref saved to "
+                  f"{cfg.out_dir}/model.safetensors")
     barrier(d)  # π_ref is on disk before any rank returns (a later stage may read it next)
     teardown(d)
 
