@@ -27,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils import flop_counter
 
 import compare
+import costs
 import data
 import dpo
 import plumbing
@@ -1302,36 +1303,36 @@ def test_analytic_bytes_match_the_tensors(bias):
         torch.manual_seed(0)
         m = GPT(c)
         ps = list(m.parameters())  # a tied lm_head is wte: once
-        assert compare.n_params(c) == (sum(p.numel() for p in ps), len(ps))
+        assert costs.n_params(c) == (sum(p.numel() for p in ps), len(ps))
         w = sum(p.nbytes for p in ps)
-        assert compare.state_bytes(c, False) == {"weights": w, "grads": 0, "optimizer": 0, "total": w}
+        assert costs.state_bytes(c, False) == {"weights": w, "grads": 0, "optimizer": 0, "total": w}
         opt = torch.optim.AdamW(ps)
         m(torch.randint(0, 40, (2, 10))).float().pow(2).mean().backward()
         opt.step()  # AdamW allocates m, v and a step count per tensor
         got = {"weights": w, "grads": sum(p.grad.nbytes for p in ps),
                "optimizer": sum(t.nbytes for s in opt.state.values() for t in s.values())}
-        assert compare.state_bytes(c, True) == {**got, "total": sum(got.values())}
-        assert compare.state_bytes(c, False, w=2)["weights"] == sum(p.nbytes for p in GPT(c).to(torch.bfloat16).parameters())
+        assert costs.state_bytes(c, True) == {**got, "total": sum(got.values())}
+        assert costs.state_bytes(c, False, w=2)["weights"] == sum(p.nbytes for p in GPT(c).to(torch.bfloat16).parameters())
     # mixed precision: 2 + 2 + 12 bytes per trained parameter (+ 4 per tensor), the optimizer's share split by ZeRO-1
     big = GPTConfig(block_size=512, vocab_size=32000, n_layer=32, n_head=32, n_embd=4096, bias=False)
-    P, n = compare.n_params(big)
+    P, n = costs.n_params(big)
     assert 6.5e9 < P < 6.7e9
-    assert compare.state_bytes(big, True, w=2)["total"] == 16 * P + 4 * n
-    assert compare.state_bytes(big, True, w=2, world=8, shard="zero1")["total"] == 4 * P + (12 * P + 4 * n) / 8
-    assert compare.state_bytes(big, False, w=2, world=8, shard="fsdp")["total"] == 2 * P / 8
+    assert costs.state_bytes(big, True, w=2)["total"] == 16 * P + 4 * n
+    assert costs.state_bytes(big, True, w=2, world=8, shard="zero1")["total"] == 4 * P + (12 * P + 4 * n) / 8
+    assert costs.state_bytes(big, False, w=2, world=8, shard="fsdp")["total"] == 2 * P / 8
 
 
 def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F811
     # r_φ and the critic: π_ref's trunk with a fresh scalar head (load_trunk), enough to count their work
     sft_file = f"{tiny.sft}/model.safetensors"
     cfg = compare.Config(task=tiny.task, sft=sft_file, reward_model=sft_file)
-    c, flops, shapes, models = compare.measure_small(cfg, init_distributed(), B=8)
-    for job in compare.JOBS:
-        assert compare.iteration_flops(c, job, **shapes[job]) == flops[job], job  # exact: the same counting rules
+    c, flops, shapes, models = costs.measure_small(cfg, init_distributed(), B=8)
+    for job in costs.JOBS:
+        assert costs.iteration_flops(c, job, **shapes[job]) == flops[job], job  # exact: the same counting rules
     assert shapes["ppo"]["T"] > shapes["ppo"]["P"] + 1  # the rollout sampled several tokens (KV-cache steps counted)
-    for name, head, trains in compare.JOBS["ppo"]:
+    for name, head, trains in costs.JOBS["ppo"]:
         measured, w = models[name]
-        assert compare.state_bytes(replace(c, head=head), trains, w=w) == measured, name
+        assert costs.state_bytes(replace(c, head=head), trains, w=w) == measured, name
 
 
 def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
@@ -1353,12 +1354,12 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     assert [(r["run"], r["method"]) for r in rows] == [("ref", "π_ref"), ("dpo-beta0.1", "DPO"), ("ppo-kl0.05", "PPO")]
     assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows for k in ("kl", "true_reward", "win_rate"))
     with open(root / "out" / "costs.json") as f:
-        costs = json.load(f)
-    for job in compare.JOBS:
-        r = costs["jobs"][job]
+        res = json.load(f)
+    for job in costs.JOBS:
+        r = res["jobs"][job]
         assert r["bytes_analytic"] == r["bytes_measured"] and r["flops_analytic"] == r["flops_counted"], job
-    assert costs["jobs"]["ppo"]["bytes_analytic"]["total"] > costs["jobs"]["dpo_live"]["bytes_analytic"]["total"] \
-        > costs["jobs"]["dpo_cache"]["bytes_analytic"]["total"]
+    assert res["jobs"]["ppo"]["bytes_analytic"]["total"] > res["jobs"]["dpo_live"]["bytes_analytic"]["total"] \
+        > res["jobs"]["dpo_cache"]["bytes_analytic"]["total"]
     summary = (root / "out" / "summary.md").read_text()
     assert "python compare.py --out_dir" in summary and "frontier" in summary and "7B" in summary
     # resumed on two ranks with one more β: the three finished runs are skipped, only dpo-beta0.3 trains
