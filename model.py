@@ -5,7 +5,10 @@ log-probs -> KV-cache generation (PPO's rollout engine) -> FLOPs -> safetensors 
 weight import/export. The forward math is GPT-2's exactly (Radford et al. 2019), so weights imported
 from Hugging Face give Hugging Face's logits. Imports nothing from the project.
 Its tests: pytest test_all.py -k "not dpo and not ppo"
-Benchmark:  python model.py    # KV-cache generation against recomputing the whole prefix, side by side
+
+    python model.py     # benchmark: KV-cache generation against recomputing the whole prefix
+    python model.py export out/dpo/model.safetensors hf/dpo    # any stage's model, as a folder
+                        # that transformers' from_pretrained loads as it is
 """
 import json
 import math
@@ -16,44 +19,52 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
+from tokenizers import Tokenizer, processors
 from torch.utils import flop_counter
 
 
 @dataclass
 class GPTConfig:
-    block_size: int = 64    # longest sequence, tokens (prompt + response); rows of the position table
+    block_size: int = 64    # longest sequence, tokens (prompt + response); rows of wpe
     vocab_size: int = 512   # tokens in the vocabulary, EOS and PAD included
     n_layer: int = 4        # transformer blocks
     n_head: int = 4         # attention heads; n_embd must divide by it
     n_embd: int = 128       # width of the residual stream
-    dropout: float = 0.0    # on embeddings, attention probs, residual branches (0 for RL: log-probs must be exact)
+    # on embeddings, attention probs, residual branches (0 for RL: log-probs must be exact)
+    dropout: float = 0.0
     bias: bool = True       # biases in Linear and LayerNorm, as GPT-2
-    head: str = "lm"        # "lm": logits over the vocab (tied to wte); "scalar": one value per position
+    # "lm": logits over the vocab (tied to wte); "scalar": one value per position
+    head: str = "lm"
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        assert cfg.n_embd % cfg.n_head == 0, f"n_embd {cfg.n_embd} must divide by n_head {cfg.n_head}"
+        assert cfg.n_embd % cfg.n_head == 0, \
+            f"n_embd {cfg.n_embd} must divide by n_head {cfg.n_head}"
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        # q, k, v in one matmul
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, attn_mask=None, cache=None, start=0):
         """x (B,T,C). attn_mask (B,1,T,S) bool, True where a query may look; None: plain causal.
-        cache: this layer's (k, v), each (B,H,L,hd); x's keys and values are written at start..start+T-1
-        and attention reads 0..start+T-1 (S = start + T)."""
+        cache: this layer's (k, v), each (B,H,L,hd); x's keys and values are written at
+        start..start+T-1 and attention reads 0..start+T-1 (S = start + T)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B,H,T,hd)
+        # (B,H,T,hd)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             ck, cv = cache
             ck[:, :, start:start + T], cv[:, :, start:start + T] = k, v
             k, v = ck[:, :, :start + T], cv[:, :, :start + T]
-        # softmax(q k^T / sqrt(hd)) v, fused; is_causal is the fast path for unpadded (or right-padded) batches
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+        # softmax(q k^T / sqrt(hd)) v, fused; is_causal is the fast path for unpadded (or
+        # right-padded) batches
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           is_causal=attn_mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -67,7 +78,8 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        # GPT-2 uses the tanh approximation of GELU ("gelu_new"); exact erf GELU would shift imported logits
+        # GPT-2 uses the tanh approximation of GELU ("gelu_new"); exact erf GELU would shift
+        # imported logits
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
@@ -100,20 +112,22 @@ class GPT(nn.Module):
         ))
         if cfg.head == "lm":
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-            self.lm_head.weight = self.transformer.wte.weight  # tied in/out embedding, as GPT-2 (Press & Wolf 2017)
+            # tied in/out embedding, as GPT-2 (Press & Wolf 2017)
+            self.lm_head.weight = self.transformer.wte.weight
         else:
             self.score = nn.Linear(cfg.n_embd, 1)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            # GPT-2 sec. 2.3: scale residual projections by 1/sqrt(N), N = 2 residual branches per block,
-            # so the residual stream's variance does not grow with depth
+            # GPT-2 sec. 2.3: scale residual projections by 1/sqrt(N), N = 2 residual branches per
+            # block, so the residual stream's variance does not grow with depth
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
         if cfg.head == "scalar":
-            # A zero head makes every value exactly 0 at the start: the reward model prefers neither
-            # response (Bradley-Terry loss log 2) and the critic predicts no return, so early updates are
-            # not spent undoing a random offset. One output unit has no symmetry to break, and the
-            # head's own gradient (the features) is non-zero, so it learns from the first step.
+            # A zero head makes every value exactly 0 at the start: the reward model prefers
+            # neither response (Bradley-Terry loss log 2) and the critic predicts no return, so
+            # early updates are not spent undoing a random offset. One output unit has no symmetry
+            # to break, and the head's own gradient (the features) is non-zero, so it learns from
+            # the first step.
             nn.init.zeros_(self.score.weight)
 
     def _init_weights(self, m):
@@ -123,15 +137,17 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx, mask=None, pos=None, kv_cache=None):
-        """idx (B,T) long. mask (B,S) bool, True on real tokens; S = T, or (tokens already in the cache) + T.
-        pos (B,T) long position ids; default: from the mask (real tokens before, so left padding does not
-        shift positions), or 0..T-1 without one. kv_cache: from new_kv_cache; needs a mask.
-        Returns logits (B,T,V) for head "lm", values (B,T) for head "scalar"."""
+        """idx (B,T) long. mask (B,S) bool, True on real tokens; S = T, or (tokens already in the
+        cache) + T. pos (B,T) long position ids; default: from the mask (real tokens before, so left
+        padding does not shift positions), or 0..T-1 without one. kv_cache: from new_kv_cache; needs
+        a mask. Returns logits (B,T,V) for head "lm", values (B,T) for head "scalar"."""
         B, T = idx.shape
-        assert kv_cache is None or mask is not None, "a KV cache needs the mask of everything it holds"
+        assert kv_cache is None or mask is not None, \
+            "a KV cache needs the mask of everything it holds"
         S = T if mask is None else mask.shape[1]
         start = S - T  # tokens already in the cache
-        assert S <= self.config.block_size, f"sequence of {S} tokens > block_size {self.config.block_size}"
+        assert S <= self.config.block_size, \
+            f"sequence of {S} tokens > block_size {self.config.block_size}"
         if pos is None:
             pos = (torch.arange(T, device=idx.device).expand(B, T) if mask is None
                    else (mask.long().cumsum(1) - 1).clamp(min=0)[:, start:])
@@ -139,9 +155,10 @@ class GPT(nn.Module):
         if mask is not None:
             i = torch.arange(start, S, device=idx.device)[:, None]  # (T,1) query positions
             j = torch.arange(S, device=idx.device)[None, :]         # (1,S) key positions
-            # causal and real, OR itself: a left-pad query has no real key to its left, and a row of all
-            # -inf is softmax 0/0 = NaN in some SDPA kernels and versions (torch 2.13 on CPU returns 0;
-            # we do not rely on it). Real queries see themselves anyway, so they are unchanged.
+            # causal and real, OR itself: a left-pad query has no real key to its left, and a row of
+            # all -inf is softmax 0/0 = NaN in some SDPA kernels and versions (torch 2.13 on CPU
+            # returns 0; we do not rely on it). Real queries see themselves anyway, so they are
+            # unchanged.
             attn_mask = ((j <= i) & mask[:, None, None, :]) | (j == i)  # (B,1,T,S)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for n, block in enumerate(self.transformer.h):
@@ -152,9 +169,9 @@ class GPT(nn.Module):
 
 def token_logprobs(logits, targets, temperature=1.0):
     """THE per-token log-prob used by every stage, so cached and live numbers agree.
-    logits (B,T,V), targets (B,T) long, -100 = ignore. Returns (B,T): log softmax(logits / temperature)
-    at the targets, in fp32 (fp64 stays fp64, for gradient checks), exactly 0.0 where targets == -100.
-    A response's log-prob is token_logprobs(...).sum(-1)."""
+    logits (B,T,V), targets (B,T) long, -100 = ignore. Returns (B,T): log softmax(logits /
+    temperature) at the targets, in fp32 (fp64 stays fp64, for gradient checks), exactly 0.0 where
+    targets == -100. A response's log-prob is token_logprobs(...).sum(-1)."""
     # bf16 log-softmax loses ~3 significant digits, enough to bias the PPO ratio and DPO's margins
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logp = F.log_softmax(logits / temperature, dim=-1)
@@ -164,26 +181,29 @@ def token_logprobs(logits, targets, temperature=1.0):
 
 
 def new_kv_cache(model, B, max_len, device, dtype):
-    """One preallocated (k, v) pair per layer, each (B, n_head, max_len, head_dim), filled by forward.
-    Left empty: attention only reads slots an earlier call wrote (pads' too, masked), never the rest."""
+    """One preallocated (k, v) pair per layer, each (B, n_head, max_len, head_dim), filled by
+    forward. Left empty: attention only reads slots an earlier call wrote (pads' too, masked), never
+    the rest."""
     c = model.config
     shape = (B, c.n_head, max_len, c.n_embd // c.n_head)
-    return [(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
-            for _ in range(c.n_layer)]
+    return [(torch.empty(shape, device=device, dtype=dtype),
+             torch.empty(shape, device=device, dtype=dtype)) for _ in range(c.n_layer)]
 
 
 @torch.no_grad()
-def generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=None, generator=None):
-    """prompts: list of B lists of token ids, of any lengths >= 1. Left-pads them to P = max length, then
-    samples from softmax(logits / temperature) (top_k: only the k likeliest) with a KV cache, in eval
-    mode (no dropout); the model's train/eval mode is restored after. Each row stops at its own EOS
-    (kept, then pad_id); stops early when all rows have ended. Returns dict, all (B, P+N), N <= max_new_tokens:
+def generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=None,
+             generator=None):
+    """prompts: list of B lists of token ids, of any lengths >= 1. Left-pads them to P = max
+    length, then samples from softmax(logits / temperature) (top_k: only the k likeliest) with a KV
+    cache, in eval mode (no dropout); the model's train/eval mode is restored after. Each row stops
+    at its own EOS (kept, then pad_id); stops early when all rows have ended. Returns dict, all
+    (B, P+N), N <= max_new_tokens:
       tokens long          left-padded prompt, response, then pad_id
       mask bool            True on real tokens (prompt and response, EOS included)
       response_mask bool   True on sampled tokens up to and including EOS
-      logprobs fp32        log-prob of each sampled token under softmax(logits / temperature), no top-k
-                           filtering in this number (token_logprobs on forward(tokens, mask=mask) gives
-                           the same); 0 elsewhere"""
+      logprobs fp32        log-prob of each sampled token under softmax(logits / temperature), no
+                           top-k filtering in this number (token_logprobs on forward(tokens,
+                           mask=mask) gives the same); 0 elsewhere"""
     assert model.config.head == "lm", "generate needs the LM head"
     assert min(map(len, prompts)) > 0, "every prompt needs at least one token (e.g. EOS as BOS)"
     assert temperature > 0, "temperature must be > 0 (top_k=1 is greedy)"
@@ -203,7 +223,8 @@ def generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, to
     was_training = model.training
     model.eval()
     try:
-        logits = model(tokens[:, :P], mask=mask[:, :P], kv_cache=cache)[:, -1]  # prefill: the whole prompt at once
+        # prefill: the whole prompt at once
+        logits = model(tokens[:, :P], mask=mask[:, :P], kv_cache=cache)[:, -1]
         t = P
         while t < L and not done.all():
             x = logits.float() / temperature
@@ -223,27 +244,32 @@ def generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, to
         model.train(was_training)
     response_mask = mask.clone()
     response_mask[:, :P] = False
-    return dict(tokens=tokens[:, :t], mask=mask[:, :t], response_mask=response_mask[:, :t], logprobs=logprobs[:, :t])
+    return dict(tokens=tokens[:, :t], mask=mask[:, :t], response_mask=response_mask[:, :t],
+                logprobs=logprobs[:, :t])
 
 
 def estimate_flops(config, B, T, backward=False):
-    """Analytic FLOPs of one forward over a (B,T) batch, or of forward + backward (a training step) with
-    backward=True, counted as torch.utils.flop_counter.FlopCounterMode counts them: a matmul is 2*m*n*k
-    and its backward 2x that; fused scaled_dot_product_attention is 2 bmm forward (q k^T, att v) and
-    5 bmm backward (scores recomputed), over the full T x T (no causal discount); nothing else counts.
-    Found with torch 2.13: on CPU, SDPA runs _scaled_dot_product_flash_attention_for_cpu, which
-    FlopCounterMode does not know (it records 0 for attention); CUDA's flash/efficient kernels are
-    counted as here. With dropout > 0 in training, SDPA falls back to plain bmms (backward 4 bmm, not 5)."""
+    """Analytic FLOPs of one forward over a (B,T) batch, or of forward + backward (a training step)
+    with backward=True, counted as torch.utils.flop_counter.FlopCounterMode counts them: a matmul is
+    2*m*n*k and its backward 2x that; fused scaled_dot_product_attention is 2 bmm forward (q k^T,
+    att v) and 5 bmm backward (scores recomputed), over the full T x T (no causal discount); nothing
+    else counts. Found with torch 2.13: on CPU, SDPA runs
+    _scaled_dot_product_flash_attention_for_cpu, which FlopCounterMode does not know (it records 0
+    for attention); CUDA's flash/efficient kernels are counted as here. With dropout > 0 in
+    training, SDPA falls back to plain bmms (backward 4 bmm, not 5)."""
     C, L, N = config.n_embd, config.n_layer, B * T
     head = config.vocab_size if config.head == "lm" else 1
-    mm = L * 2 * N * C * (3 * C + C + 4 * C + 4 * C) + 2 * N * C * head  # c_attn, attn c_proj, c_fc, mlp c_proj; head
+    # c_attn, attn c_proj, c_fc, mlp c_proj; head
+    mm = L * 2 * N * C * (3 * C + C + 4 * C + 4 * C) + 2 * N * C * head
     attn = L * 2 * (2 * B * T * T * C)  # per layer 2 bmm of 2*T*T*hd for each of B*H heads
-    return mm + attn if not backward else 3 * mm + (7 * attn) // 2  # +2x matmuls, +2.5x attention
+    # backward: +2x matmuls, +2.5x attention
+    return mm + attn if not backward else 3 * mm + (7 * attn) // 2
 
 
-# torch 2.13's FlopCounterMode has no formula for the CPU flash-attention kernels SDPA dispatches to (it
-# counts them 0). Their arguments start (q, k, v) and (grad_out, q, k, v) like the CUDA flash kernels', so
-# torch's own formulas for those count them, and the count can be compared with estimate_flops exactly.
+# torch 2.13's FlopCounterMode has no formula for the CPU flash-attention kernels SDPA dispatches to
+# (it counts them 0). Their arguments start (q, k, v) and (grad_out, q, k, v) like the CUDA flash
+# kernels', so torch's own formulas for those count them, and the count can be compared with
+# estimate_flops exactly.
 CPU_SDPA_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
         lambda q, k, v, *a, **kw: flop_counter.sdpa_flop_count(q, k, v),
@@ -259,11 +285,14 @@ def count_flops(fn):
 
 
 def save_model(model, path, meta):
-    """safetensors with metadata {"config": GPTConfig json, "meta": json of provenance (stage, step...)}.
-    The tied lm_head is stored once (as wte). Written to path + ".tmp", then renamed: never half a file."""
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    """safetensors with metadata {"config": GPTConfig json, "meta": json of provenance (stage,
+    step...)}. The tied lm_head is stored once (as wte). Written to path + ".tmp", then renamed:
+    never half a file."""
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+          if k != "lm_head.weight"}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    save_file(sd, path + ".tmp", metadata={"config": json.dumps(asdict(model.config)), "meta": json.dumps(meta)})
+    save_file(sd, path + ".tmp",
+              metadata={"config": json.dumps(asdict(model.config)), "meta": json.dumps(meta)})
     os.replace(path + ".tmp", path)
 
 
@@ -272,7 +301,8 @@ def read_meta(path):
     with safe_open(path, framework="pt") as f:
         md = f.metadata() or {}
     if "config" not in md:
-        raise ValueError(f"{path}: no GPTConfig in its metadata (a Hugging Face GPT-2 file? use import_gpt2)")
+        raise ValueError(f"{path}: no GPTConfig in its metadata (a Hugging Face GPT-2 file? use "
+                         f"import_gpt2)")
     return GPTConfig(**json.loads(md["config"])), json.loads(md["meta"])
 
 
@@ -282,36 +312,70 @@ def load_model(path, device="cpu"):
     model = GPT(cfg)
     sd = load_file(path)
     if cfg.head == "lm":
-        sd["lm_head.weight"] = sd["transformer.wte.weight"]  # load_state_dict copies in place: the tie survives
+        # load_state_dict copies in place: the tie survives
+        sd["lm_head.weight"] = sd["transformer.wte.weight"]
     model.load_state_dict(sd)
     return model.to(device), meta
 
 
-# Hugging Face's GPT-2 stores these as Conv1D, whose weight is (in, out): the transpose of nn.Linear's
+# -----------------------------------------------------------------------------
+# Hugging Face GPT-2: import its weights; export ours as a folder that transformers loads as it is
+
+# Hugging Face's GPT-2 stores these as Conv1D, whose weight is (in, out): nn.Linear's transposed
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+EOS, PAD = "<|endoftext|>", "<|pad|>"  # data.py's two special tokens, by name
 
 
-def import_gpt2(path, block_size=None, vocab_size=None):
-    """GPT from a Hugging Face GPT-2 model.safetensors (keys with or without "transformer."). The config
-    comes from the shapes; n_head from the config.json beside it, else n_embd // 64 (the head size of all
-    four released GPT-2s). block_size < n_positions keeps the first rows of the position table.
-    vocab_size > GPT-2's 50257 appends embedding rows (GPT-2 has no PAD; our tokenizer adds it as 50257)."""
+def _check(ok, msg):
+    """plumbing.check's twin (model.py imports nothing from the project): one error line."""
+    if not ok:
+        raise SystemExit(f"error: {msg}")
+
+
+def import_gpt2(path, block_size=None, vocab_size=None, n_head=None):
+    """GPT from a Hugging Face GPT-2 model.safetensors (keys with or without "transformer.") and the
+    config.json beside it; without one, n_head must be given (the shapes give the rest).
+    block_size < n_positions keeps the first rows of the position table. vocab_size > the file's
+    appends embedding rows (GPT-2 has no PAD; our tokenizer adds it as 50257). Every GPT2Config
+    option that changes the function is honoured, or refused with its name and value."""
     sd = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
     # attn.bias / attn.masked_bias are the causal-mask buffers of older transformers, not weights
-    sd = {k: v for k, v in sd.items() if k.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])}
-    lm = sd.pop("lm_head.weight", None)
-    assert lm is None or torch.equal(lm, sd["wte.weight"]), "lm_head differs from wte: not a tied GPT-2"
-    hf_path = os.path.join(os.path.dirname(path), "config.json")
-    hf = json.load(open(hf_path)) if os.path.exists(hf_path) else {}
-    assert hf.get("activation_function", "gelu_new") == "gelu_new", f"{hf_path}: only gelu_new is GPT-2's"
+    sd = {k: v for k, v in sd.items()
+          if k.split(".")[-2:] not in (["attn", "bias"], ["attn", "masked_bias"])}
+    src = os.path.join(os.path.dirname(path), "config.json")
+    if os.path.exists(src):
+        with open(src) as f:
+            hf = json.load(f)
+    else:
+        _check(n_head, f"{path}: no config.json beside it, so n_head is unknown: copy the model's "
+                       f"config.json there (or pass n_head)")
+        hf, src = {}, path
     V, C = sd["wte.weight"].shape
-    n_pos = sd["wpe.weight"].shape[0]
+    n_pos, L = sd["wpe.weight"].shape[0], sum(k.endswith(".ln_1.weight") for k in sd)
+    H = n_head or hf.get("n_head", 12)  # 12: GPT2Config's default
+    # Per option, the values this GPT computes, the first one GPT2Config's default (or what the
+    # tensors say). Any other value would import without complaint and give other logits.
+    honoured = dict(model_type=["gpt2"], vocab_size=[V], n_embd=[C], n_layer=[L], n_head=[H],
+                    n_positions=[n_pos], n_inner=[None, 4 * C],
+                    # gelu_pytorch_tanh is gelu_new's formula (tanh GELU) in one torch kernel
+                    activation_function=["gelu_new", "gelu_pytorch_tanh"],
+                    layer_norm_epsilon=[1e-5], scale_attn_weights=[True],
+                    # it only upcasts attention scores to fp32 under fp16: the same function
+                    reorder_and_upcast_attn=[False, True], scale_attn_by_inverse_layer_idx=[False],
+                    tie_word_embeddings=[True], add_cross_attention=[False])
+    for k, ok in honoured.items():
+        v = hf.get(k, ok[0])
+        _check(v in ok, f"{src}: {k}={json.dumps(v)} is refused: the imported GPT would compute "
+                        f"{k}={' or '.join(map(json.dumps, ok))}")
+    lm = sd.pop("lm_head.weight", None)
+    _check(lm is None or torch.equal(lm, sd["wte.weight"]),
+           f"{path}: lm_head differs from wte: an untied output embedding is not supported")
     block_size = block_size or n_pos
-    assert block_size <= n_pos, f"block_size {block_size} > the {n_pos} positions GPT-2 learned"
-    cfg = GPTConfig(block_size=block_size, vocab_size=V, n_embd=C, n_head=hf.get("n_head", C // 64),
-                    n_layer=sum(k.endswith(".ln_1.weight") for k in sd), bias="h.0.attn.c_attn.bias" in sd)
+    _check(block_size <= n_pos, f"block_size {block_size} > the {n_pos} positions {path} learned")
+    cfg = GPTConfig(block_size=block_size, vocab_size=V, n_embd=C, n_head=H, n_layer=L,
+                    bias="h.0.attn.c_attn.bias" in sd)
     sd["wpe.weight"] = sd["wpe.weight"][:block_size]
-    if vocab_size and vocab_size > V:  # new rows get GPT-2's init; PAD is only ever read, never predicted
+    if vocab_size and vocab_size > V:  # new rows: GPT-2's init; PAD is only read, never predicted
         extra = torch.randn(vocab_size - V, C, dtype=sd["wte.weight"].dtype) * 0.02
         sd["wte.weight"], cfg.vocab_size = torch.cat([sd["wte.weight"], extra]), vocab_size
     sd = {"transformer." + k: v.t() if k.endswith(CONV1D) else v for k, v in sd.items()}
@@ -321,63 +385,95 @@ def import_gpt2(path, block_size=None, vocab_size=None):
     return model
 
 
-def export_gpt2(model, out_dir):
-    """out_dir/model.safetensors in Hugging Face's layout (Conv1D weights, lm_head tied so stored once)
-    and out_dir/config.json, loadable by transformers' GPT2LMHeadModel.from_pretrained(out_dir)."""
+def export_gpt2(model, tokenizer_json, out_dir):
+    """Writes out_dir, a folder that transformers' AutoModelForCausalLM.from_pretrained and
+    AutoTokenizer.from_pretrained load as they are (each file from its documented schema):
+      model.safetensors       GPT-2's layout: Conv1D weights, lm_head tied (stored once)
+      config.json             GPT2Config with bos/eos/pad ids (without them transformers assumes
+                              50256, past a small vocabulary, and generate never stops at EOS)
+      generation_config.json  the same three ids, which generate reads
+      tokenizer.json          tokenizer_json, PAD added if absent (as data.Tok does), EOS put first
+                              as the BOS every sequence here starts with: tokenizer(" the movie")
+                              gives data.encode_prompt's ids
+      tokenizer_config.json   EOS (also BOS) and PAD by name, no clean-up of spaces in decode (it
+      special_tokens_map.json would turn " ." into "."), model_max_length = block_size"""
     c = model.config
-    assert c.head == "lm" and c.bias, "the GPT-2 layout needs the LM head and biases"
+    _check(c.head == "lm" and c.bias, "the GPT-2 layout needs the LM head and biases")
+    tk = Tokenizer.from_file(tokenizer_json)
+    if tk.token_to_id(PAD) is None:
+        tk.add_special_tokens([PAD])
+    eos, pad, n = tk.token_to_id(EOS), tk.token_to_id(PAD), tk.get_vocab_size()
+    _check(eos is not None, f"{tokenizer_json} has no {EOS} token")
+    _check(n <= c.vocab_size, f"{tokenizer_json} has {n} tokens, the model only {c.vocab_size}")
+    tk.post_processor = processors.TemplateProcessing(single=f"{EOS} $A", pair=f"{EOS} $A $B",
+                                                      special_tokens=[(EOS, eos)])
     sd = {k: (v.t() if k.endswith(CONV1D) else v).detach().contiguous().cpu()
           for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    hf = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=c.vocab_size, n_positions=c.block_size,
-              n_ctx=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
-              layer_norm_epsilon=1e-5, tie_word_embeddings=True, resid_pdrop=c.dropout, embd_pdrop=c.dropout,
-              attn_pdrop=c.dropout)
+    ids = dict(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad)
+    config = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=c.vocab_size,
+                  n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head,
+                  n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                  scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                  reorder_and_upcast_attn=False, tie_word_embeddings=True,
+                  resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, **ids)
+    special = dict(bos_token=EOS, eos_token=EOS, pad_token=PAD)
+    tok_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=c.block_size,
+                      clean_up_tokenization_spaces=False, **special)
+    files = {"model.safetensors": save(sd, metadata={"format": "pt"}),  # transformers checks it
+             "tokenizer.json": tk.to_str(pretty=True).encode()}
+    for name, obj in [("config.json", config), ("generation_config.json", ids),
+                      ("tokenizer_config.json", tok_config), ("special_tokens_map.json", special)]:
+        files[name] = json.dumps(obj, indent=2).encode()
     os.makedirs(out_dir, exist_ok=True)
-    out = os.path.join(out_dir, "model.safetensors")
-    save_file(sd, out + ".tmp", metadata={"format": "pt"})  # transformers checks this "format" entry
-    os.replace(out + ".tmp", out)
-    with open(os.path.join(out_dir, "config.json.tmp"), "w") as f:
-        json.dump(hf, f, indent=2)
-    os.replace(os.path.join(out_dir, "config.json.tmp"), os.path.join(out_dir, "config.json"))
+    for name, content in files.items():  # each file whole or not at all: a temp file, renamed
+        with open(os.path.join(out_dir, name + ".tmp"), "wb") as f:
+            f.write(content)
+        os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
 
 
 # -----------------------------------------------------------------------------
-# what a resident model costs a training job (dpo.py and ppo.py print it at start; compare.py tabulates it)
+# what a resident model costs a training job (dpo.py and ppo.py print it at start; compare.py
+# tabulates it)
 
 
 def anatomy(models, T=None):
-    """What each resident model costs the job. models: {name: nn.Module (a GPT)}; one with trainable
-    parameters is trained with AdamW (fp32 weights, grads and two moments), a frozen one is only held
-    and run forward. T: the sequence length the FLOPs per token are counted at (attention grows with T;
-    default: each model's block_size). Returns one dict per model, then a "total" row: the loop's
-    FLOPs per token and the job's bytes. Activations are not counted: they scale with the batch."""
+    """What each resident model costs the job. models: {name: nn.Module (a GPT)}; one with
+    trainable parameters is trained with AdamW (fp32 weights, grads and two moments), a frozen one
+    is only held and run forward. T: the sequence length the FLOPs per token are counted at
+    (attention grows with T; default: each model's block_size). Returns one dict per model, then a
+    "total" row: the loop's FLOPs per token and the job's bytes. Activations are not counted: they
+    scale with the batch."""
     rows = []
     for name, m in models.items():
         params = list(m.parameters())  # a tied lm_head is the same Parameter as wte: counted once
         trainable, t = any(p.requires_grad for p in params), T or m.config.block_size
         w = sum(p.numel() * p.element_size() for p in params)
-        r = dict(model=name, state="trainable" if trainable else "frozen", params=sum(p.numel() for p in params),
-                 weights_bytes=w, grads_bytes=w if trainable else 0, adamw_bytes=2 * w if trainable else 0,
-                 flops_per_token=estimate_flops(m.config, 1, t, backward=trainable) / t)  # fwd+bwd, or fwd
+        r = dict(model=name, state="trainable" if trainable else "frozen",
+                 params=sum(p.numel() for p in params), weights_bytes=w,
+                 grads_bytes=w if trainable else 0, adamw_bytes=2 * w if trainable else 0,
+                 # fwd+bwd, or fwd
+                 flops_per_token=estimate_flops(m.config, 1, t, backward=trainable) / t)
         rows.append({**r, "total_bytes": r["weights_bytes"] + r["grads_bytes"] + r["adamw_bytes"]})
-    rows.append({k: "total" if k == "model" else "" if k == "state" else sum(r[k] for r in rows) for k in rows[0]})
+    rows.append({k: "total" if k == "model" else "" if k == "state" else sum(r[k] for r in rows)
+                 for k in rows[0]})
     return rows
 
 
 def format_anatomy(rows, T):
     cols = ("weights_bytes", "grads_bytes", "adamw_bytes", "total_bytes")
-    lines = [f"{'resident':<10} {'state':<9} {'params':>9} {'weights':>8} {'grads':>8} {'AdamW':>8} {'total':>8} "
-             f"  FLOPs/token at T={T}"]
+    lines = [f"{'resident':<10} {'state':<9} {'params':>9} {'weights':>8} {'grads':>8} "
+             f"{'AdamW':>8} {'total':>8}   FLOPs/token at T={T}"]
     for r in rows:
         mib = " ".join(f"{r[k] / 2**20:>8.2f}" for k in cols)
-        lines.append(f"{r['model']:<10} {r['state']:<9} {r['params']:>9,} {mib}   {r['flops_per_token'] / 1e6:.2f} M")
+        lines.append(f"{r['model']:<10} {r['state']:<9} {r['params']:>9,} {mib}   "
+                     f"{r['flops_per_token'] / 1e6:.2f} M")
     return "\n".join(lines + ["(bytes in MiB, fp32; activations not counted)"])
 
 
-if __name__ == "__main__":
-    # The rollout engine's speed-up: 64 new tokens with the KV cache (one token through the model per
-    # step) against the obvious loop that re-runs the whole prefix each step. Greedy, so both must
-    # produce the same tokens; timed interleaved, best of 5 each, on this machine.
+def kv_cache_benchmark():
+    """The rollout engine's speed-up: 64 new tokens with the KV cache (one token through the model
+    per step) against the obvious loop that re-runs the whole prefix each step. Greedy, so both must
+    produce the same tokens; timed interleaved, best of 5 each, on this machine."""
     import time
     torch.manual_seed(0)
     m = GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=4, n_head=4, n_embd=128)).eval()
@@ -400,6 +496,23 @@ if __name__ == "__main__":
             t = time.perf_counter()
             f()
             best[name] = min(best[name], time.perf_counter() - t)
-    print(f"64 new tokens, batch 16, prompt 16, {sum(p.numel() for p in m.parameters()) / 1e6:.2f}M params, "
-          f"{torch.get_num_threads()} threads: KV cache {1000 * best['kv_cache']:.0f} ms | recompute "
-          f"{1000 * best['recompute']:.0f} ms | {best['recompute'] / best['kv_cache']:.1f}x faster with the cache")
+    n = sum(p.numel() for p in m.parameters())
+    print(f"64 new tokens, batch 16, prompt 16, {n / 1e6:.2f}M params, "
+          f"{torch.get_num_threads()} threads: KV cache {1000 * best['kv_cache']:.0f} ms | "
+          f"recompute {1000 * best['recompute']:.0f} ms | "
+          f"{best['recompute'] / best['kv_cache']:.1f}x faster with the cache")
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] != ["export"]:
+        kv_cache_benchmark()
+        sys.exit()
+    _check(len(sys.argv) == 4, "usage: python model.py export SRC.safetensors OUT_DIR")
+    src, out = sys.argv[2:]
+    tok = os.path.join(os.path.dirname(src), "tokenizer.json")  # every stage keeps one beside it
+    _check(os.path.isfile(src) and os.path.isfile(tok), f"{src} and {tok} must both exist")
+    export_gpt2(load_model(src)[0], tok, out)
+    with open(os.path.join(out, "config.json")) as f:
+        ids = {k: v for k, v in json.load(f).items() if k.endswith("token_id")}
+    print(f"{out}: {' '.join(sorted(os.listdir(out)))} | {ids}")

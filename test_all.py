@@ -302,19 +302,122 @@ def test_gpt2_import_export(tmp_path):
         assert (m.config.n_head, m.config.n_layer, m.config.block_size, m.config.vocab_size) == (4, 2, 24, 11)
         idx = torch.randint(0, 11, (2, 9))
         assert torch.allclose(m(idx), reference_gpt2(sd, idx, n_head=4), atol=1e-10, rtol=0)
-        export_gpt2(m.float(), str(tmp_path / "out"))
+        export_gpt2(m.float(), word_tokenizer(tmp_path / "tok.json", "a b c"), str(tmp_path / "out"))
         out = load_file(str(tmp_path / "out" / "model.safetensors"))
         want = {"transformer." + k.removeprefix("transformer."): v for k, v in sd.items()
                 if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
         assert out.keys() == want.keys() and all(torch.equal(out[k], want[k]) for k in want)
         cfg = json.loads((tmp_path / "out" / "config.json").read_text())
         assert cfg["model_type"] == "gpt2" and cfg["activation_function"] == "gelu_new" and cfg["n_head"] == 4
-        assert (cfg["n_positions"], cfg["n_ctx"], cfg["tie_word_embeddings"]) == (24, 24, True)
+        assert (cfg["n_positions"], cfg["tie_word_embeddings"]) == (24, True)
     m = import_gpt2(str(d / "model.safetensors"), block_size=10)  # a shorter context keeps wpe's first rows
     assert torch.equal(m.transformer.wpe.weight, sd["wpe.weight"][:10])
     m = import_gpt2(str(d / "model.safetensors"), vocab_size=12)  # room for the PAD our tokenizer adds
     assert m.config.vocab_size == 12 and torch.equal(m.transformer.wte.weight[:11], sd["wte.weight"])
     assert m.lm_head.weight is m.transformer.wte.weight and m(torch.tensor([[11, 3]])).shape == (1, 2, 12)
+
+
+def word_tokenizer(path, words):
+    """A tokenizer.json of whitespace-split words: EOS 0, PAD 1, then the words. Returns its path."""
+    vocab = {data.EOS: 0, data.PAD: 1, **{w: i + 2 for i, w in enumerate(words.split())}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token=data.EOS))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.add_special_tokens([data.EOS, data.PAD])
+    tk.save(str(path))
+    return str(path)
+
+
+HONOURED = [{}, {"n_head": 4, "n_embd": 16, "n_layer": 2, "vocab_size": 11, "n_positions": 24},
+            {"activation_function": "gelu_pytorch_tanh"}, {"reorder_and_upcast_attn": True},
+            {"n_inner": None}, {"n_inner": 64}, {"layer_norm_epsilon": 1e-5},
+            {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False},
+            {"tie_word_embeddings": True, "add_cross_attention": False, "model_type": "gpt2"}]
+REFUSED = [("layer_norm_epsilon", 1e-3), ("scale_attn_weights", False),
+           ("scale_attn_by_inverse_layer_idx", True), ("n_positions", 32), ("n_inner", 32),
+           ("tie_word_embeddings", False), ("activation_function", "gelu"),
+           ("activation_function", "relu"), ("add_cross_attention", True), ("model_type", "gpt_neo"),
+           ("n_embd", 32), ("n_layer", 3), ("vocab_size", 12)]
+
+
+def test_gpt2_import_honours_or_refuses_every_config_option(tmp_path):
+    sd = fake_hf_gpt2()
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    path, idx = str(tmp_path / "model.safetensors"), torch.randint(0, 11, (2, 9))
+    # honoured: the same logits as GPT-2's forward written out by hand (float64: only rounding)
+    for opts in HONOURED:
+        (tmp_path / "config.json").write_text(json.dumps({"n_head": 4, **opts}))
+        m = import_gpt2(path).double()
+        assert torch.allclose(m(idx), reference_gpt2(sd, idx, n_head=4), atol=1e-10, rtol=0), opts
+    # refused: an error line naming the option and its value, never other logits
+    for k, v in REFUSED:
+        (tmp_path / "config.json").write_text(json.dumps({"n_head": 4, k: v}))
+        with pytest.raises(SystemExit, match=f"^error: {tmp_path}/config.json: {k}={json.dumps(v)} "):
+            import_gpt2(path)
+    (tmp_path / "config.json").write_text(json.dumps({"n_head": 4}))
+    with pytest.raises(SystemExit, match="block_size 25 > the 24 positions"):
+        import_gpt2(path, block_size=25)
+    with pytest.raises(SystemExit, match="n_head=4 is refused"):  # the argument contradicts the file
+        import_gpt2(path, n_head=2)
+    save_file({**sd, "lm_head.weight": sd["lm_head.weight"] + 1}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(SystemExit, match="lm_head differs from wte"):
+        import_gpt2(path)
+    # no config.json: n_head is not guessed from the shapes; given, it imports exactly
+    (tmp_path / "config.json").unlink()
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(SystemExit, match="no config.json beside it, so n_head is unknown"):
+        import_gpt2(path)
+    m = import_gpt2(path, n_head=4).double()
+    assert torch.allclose(m(idx), reference_gpt2(sd, idx, n_head=4), atol=1e-10, rtol=0)
+
+
+def test_export_folder_for_transformers(tmp_path):
+    """The exported folder holds what transformers' from_pretrained reads, by its documented schema;
+    a separate venv with transformers loaded it by hand (see the README)."""
+    texts = ["the movie is great .", "i hated the plot .", "User: hi\nAssistant: hello"] * 20
+    tok = data.train_tokenizer(texts, vocab_size=300)
+    src = tmp_path / "sft"
+    src.mkdir()
+    data.save_tokenizer(tok, str(src / "tokenizer.json"))
+    m = tiny_gpt(vocab_size=tok.vocab_size).float()
+    save_model(m, str(src / "model.safetensors"), {"stage": "sft"})
+    p = subprocess.run([sys.executable, os.path.join(HERE, "model.py"), "export",
+                        str(src / "model.safetensors"), str(tmp_path / "hf")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "hf"
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
+                                       "special_tokens_map.json", "tokenizer.json",
+                                       "tokenizer_config.json"]
+    read = lambda name: json.loads((out / name).read_text())  # noqa: E731
+    ids = dict(bos_token_id=tok.eos, eos_token_id=tok.eos, pad_token_id=tok.pad)
+    cfg = read("config.json")
+    assert cfg.items() >= {**ids, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                           "vocab_size": tok.vocab_size, "n_positions": 32, "n_embd": 16,
+                           "n_layer": 2, "n_head": 2, "activation_function": "gelu_new",
+                           "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}.items()
+    assert read("generation_config.json") == ids
+    special = dict(bos_token=data.EOS, eos_token=data.EOS, pad_token=data.PAD)
+    assert read("special_tokens_map.json") == special
+    assert read("tokenizer_config.json") == {**special, "tokenizer_class": "PreTrainedTokenizerFast",
+                                             "model_max_length": 32,
+                                             "clean_up_tokenization_spaces": False}
+    # the tokenizer puts the BOS first, as every sequence here starts; without it, our ids
+    hf_tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert hf_tok.encode(" the movie").ids == data.encode_prompt(tok, " the movie")
+    assert hf_tok.encode(" the movie", add_special_tokens=False).ids == tok.encode(" the movie")
+    # the weights: importing the folder back gives the model's logits exactly
+    idx = torch.randint(0, tok.vocab_size, (2, 9))
+    assert torch.equal(import_gpt2(str(out / "model.safetensors"))(idx), m(idx))
+    # a tokenizer without PAD (as GPT-2's) gets it as the next id, as data.Tok does
+    tk = Tokenizer(models.WordLevel({data.EOS: 0, "the": 1, "movie": 2}, unk_token=data.EOS))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.add_special_tokens([data.EOS])
+    tk.save(str(tmp_path / "nopad.json"))
+    export_gpt2(tiny_gpt(vocab_size=4).float(), str(tmp_path / "nopad.json"), str(tmp_path / "hf2"))
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["pad_token_id"] == 3
+    assert Tokenizer.from_file(str(tmp_path / "hf2" / "tokenizer.json")).token_to_id(data.PAD) == 3
+    with pytest.raises(SystemExit, match="has 4 tokens, the model only 3"):
+        export_gpt2(tiny_gpt(vocab_size=3).float(), str(tmp_path / "nopad.json"), str(tmp_path / "x"))
 
 
 def test_estimate_flops_matches_flop_counter():
