@@ -1,9 +1,11 @@
 """
 Everything the stages read: the tokenizer, the built-in task (a toy copy of the DPO paper's
-controlled-sentiment experiment, with its hidden true reward), preference JSONL, tokenization with an
-exact prompt/response boundary, batches of [chosen; rejected], and deterministic rank sharding.
+controlled-sentiment experiment, with its hidden true reward), preference JSONL, tokenization with
+an exact prompt/response boundary, batches of [chosen; rejected], and deterministic rank sharding.
 
     python data.py            # build out/task if it is missing, then show a few of its pairs
+    python data.py own my_pairs.jsonl --out out/own   # your own preference file: a tokenizer,
+                              # SFT text and the block that fits it (python data.py own --help)
 """
 import json
 import math
@@ -26,7 +28,8 @@ class Tok:
     """A tokenizers.Tokenizer and the two ids every stage needs. encode adds no special tokens."""
     def __init__(self, tk):
         if tk.token_to_id(EOS) is None:
-            raise ValueError(f"the tokenizer has no {EOS} token (every sequence uses it as BOS and EOS)")
+            raise ValueError(f"the tokenizer has no {EOS} token (every sequence uses it as BOS and "
+                             f"EOS)")
         if tk.token_to_id(PAD) is None:  # e.g. GPT-2's tokenizer.json: PAD gets the next id, 50257
             tk.add_special_tokens([PAD])
         self.tk, self.eos, self.pad = tk, tk.token_to_id(EOS), tk.token_to_id(PAD)
@@ -39,11 +42,13 @@ class Tok:
         return self.tk.decode(list(ids), skip_special_tokens=True)
 
 def train_tokenizer(texts, vocab_size=512):
-    """Byte-level BPE as GPT-2's: words keep their leading space (" great"), any string round-trips."""
+    """Byte-level BPE as GPT-2's: words keep their leading space (" great"), any string
+    round-trips."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD],
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(texts, trainer)
     return Tok(tk)
@@ -60,11 +65,11 @@ def _atomic_write(path, text):
     os.replace(path + ".tmp", path)  # readers see the old file or the new one, never half of one
 
 # -----------------------------------------------------------------------------
-# The built-in task: a toy copy of the controlled-sentiment experiment of Rafailov et al. 2023, sec. 6.1
-# (IMDb prefixes, a sentiment classifier as the true reward). A text is a short "review" whose latent
-# sentiment p is drawn once; each sentiment slot is positive with probability p. Every word belongs to
-# one list and the templates differ in their first words, so a text determines every choice that made
-# it, and text_logprob can give its exact probability.
+# The built-in task: a toy copy of the controlled-sentiment experiment of Rafailov et al. 2023,
+# sec. 6.1 (IMDb prefixes, a sentiment classifier as the true reward). A text is a short "review"
+# whose latent sentiment p is drawn once; each sentiment slot is positive with probability p. Every
+# word belongs to one list and the templates differ in their first words, so a text determines every
+# choice that made it, and text_logprob can give its exact probability.
 
 TEMPLATES = ["the {noun} is {adj} .", "the {noun} was {adj} and {adj} .", "i {verb} the {noun} .",
              "it felt {adj} .", "we saw it on {day} ."]  # chosen uniformly
@@ -98,8 +103,8 @@ def _sentence(rng, p):
     return " ".join(words)
 
 def _sentences(rng, p, k):
-    """Sentences k+1, k+2, ... of a text whose first k are written (k = 0: a whole text). At least two
-    in all and at least one more; after each from the 2nd on, stop with probability P_STOP."""
+    """Sentences k+1, k+2, ... of a text whose first k are written (k = 0: a whole text). At least
+    two in all and at least one more; after each from the 2nd on, stop with probability P_STOP."""
     out = []
     while True:
         out.append(_sentence(rng, p))
@@ -111,7 +116,8 @@ def sample_text(rng):
     return " ".join(_sentences(rng, rng.choice(P_VALUES), 0))
 
 def sample_prompt(rng):
-    """An opening of a text: its first one or two sentences. Returns (latent p, sentences, prompt)."""
+    """An opening of a text: its first one or two sentences. Returns (latent p, sentences,
+    prompt)."""
     p, k = rng.choice(P_VALUES), rng.choice((1, 2))
     return p, k, " ".join(_sentence(rng, p) for _ in range(k))
 
@@ -121,7 +127,8 @@ def sample_pair(rng):
     p, k, prompt = sample_prompt(rng)
     a = b = ""
     while a == b:
-        a, b = (" " + " ".join(_sentences(rng, p, k)) for _ in range(2))  # responses start with the space
+        # responses start with the space
+        a, b = (" " + " ".join(_sentences(rng, p, k)) for _ in range(2))
     if rng.random() >= 1 / (1 + math.exp(true_reward(prompt, b) - true_reward(prompt, a))):
         a, b = b, a
     return dict(prompt=prompt, chosen=a, rejected=b)
@@ -175,7 +182,8 @@ def build_task(out_dir="out/task", seed=0):
     tmp = f"{out_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    rng = lambda name: random.Random(f"{seed}/{name}")  # a stream per file: resizing one changes no other
+    # a stream per file: resizing one changes no other
+    rng = lambda name: random.Random(f"{seed}/{name}")
     data = {}
     for name in ("sft_train", "sft_val"):
         r = rng(name)
@@ -192,15 +200,18 @@ def build_task(out_dir="out/task", seed=0):
         _atomic_write(os.path.join(tmp, f"{name}.{ext}"), "".join(line + "\n" for line in lines))
     tok = train_tokenizer(data["sft_train"], vocab_size=512)
     save_tokenizer(tok, os.path.join(tmp, "tokenizer.json"))
-    # The loss a perfect SFT model reaches on sft_val: tokenization is deterministic, so the generator's
-    # log P(text) is the model's best sum of token log-probs; predicted tokens are the text's and the EOS.
+    # The loss a perfect SFT model reaches on sft_val: tokenization is deterministic, so the
+    # generator's log P(text) is the model's best sum of token log-probs; predicted tokens are the
+    # text's and the EOS.
     n_tok = [len(tok.encode(t)) + 1 for t in data["sft_val"]]
     floor = -sum(text_logprob(t) for t in data["sft_val"]) / sum(n_tok)
-    longest = lambda strings: max(len(e.ids) for e in tok.tk.encode_batch(strings, add_special_tokens=False))
+    longest = lambda strings: max(len(e.ids) for e in
+                                  tok.tk.encode_batch(strings, add_special_tokens=False))
     pairs = data["pairs_train"] + data["pairs_val"]
     meta = dict(seed=seed, counts={k: len(v) for k, v in data.items()}, vocab_size=tok.vocab_size,
                 floor_nats_per_token=floor,
-                max_tokens=dict(  # with BOS/EOS, as the stages count: sizes for max_len and block_size
+                # with BOS/EOS, as the stages count: sizes for max_len and block_size
+                max_tokens=dict(
                     sft_text=longest(data["sft_train"] + data["sft_val"]) + 2,
                     prompt=longest([r["prompt"] for r in pairs]) + 1,
                     response=longest([r[k] for r in pairs for k in ("chosen", "rejected")]) + 1))
@@ -218,7 +229,8 @@ def ensure_task(out_dir="out/task", seed=0, log=print):
         with open(meta) as f:
             found = json.load(f)["seed"]
         if found != seed:
-            raise ValueError(f"{out_dir} holds the task for seed {found}, not {seed}: remove it or pick another folder")
+            raise ValueError(f"{out_dir} holds the task for seed {found}, not {seed}: remove it "
+                             f"or pick another folder")
         return out_dir
     t0 = time.time()
     build_task(out_dir, seed)
@@ -226,42 +238,88 @@ def ensure_task(out_dir="out/task", seed=0, log=print):
     return out_dir
 
 # -----------------------------------------------------------------------------
-# Reading user files. Every bad row is an error naming its file and line; nothing is dropped silently.
+# Reading user files. Every bad row is an error naming its file and line; nothing is dropped, or
+# read as something else, silently.
 
 class DataError(SystemExit):
-    """A bad input file. The message starts with "path:line: ". A SystemExit, so that a user's mistake
-    ends the run with that one line and no traceback (as plumbing.check does); tests catch it as usual."""
+    """A bad input file. The message starts with "path:line: ". A SystemExit, so that a user's
+    mistake ends the run with that one line and no traceback (as plumbing.check does); tests catch
+    it as usual."""
 
 def _lines(path):
-    """(line number, line) for each line that is not blank: blank lines are not rows."""
-    with open(path, "rb") as f:
+    """(line number, line) for each line that is not blank: blank lines are not rows. A UTF-8 BOM
+    (some Windows editors write one) is not part of the first line."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:  # a directory, a missing or an unreadable file
+        raise DataError(f"{path}: cannot read it ({e.strerror})") from None
+    with f:
         for n, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8").rstrip("\r\n")
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8").rstrip("\r\n")
             except UnicodeDecodeError:
                 raise DataError(f"{path}:{n}: not UTF-8 text") from None
             if line.strip():
                 yield n, line
 
 def _json_type(v):
-    return {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object",
-            type(None): "null"}.get(type(v), type(v).__name__)
+    return {bool: "a boolean", int: "a number", float: "a number", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
 
 def _json_row(path, n, line):
+    def no_repeats(items):  # json.loads would keep a repeated key's last value: a silent misread
+        keys = [k for k, _ in items]
+        for k in keys:
+            if keys.count(k) > 1:
+                raise DataError(f'{path}:{n}: key "{k}" appears twice')
+        return dict(items)
     try:
-        row = json.loads(line)
+        row = json.loads(line, object_pairs_hook=no_repeats)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
         raise DataError(f"{path}:{n}: expected a JSON object, got {_json_type(row)}")
     return row
 
+def _text(path, n, s, what):
+    """s, unless it holds a lone surrogate escape ("\\ud83d", half an emoji: no character, and the
+    tokenizer cannot encode it) or EOS or PAD as text (the tokenizer would read them as special)."""
+    if re.search("[\ud800-\udfff]", s):
+        raise DataError(f"{path}:{n}: {what} holds a lone surrogate escape (half a character)")
+    for t in (EOS, PAD):
+        if t in s:
+            raise DataError(f"{path}:{n}: {what} contains {t}, which the tokenizer would read as "
+                            f"its special token")
+    return s
+
+# Conversations (TRL's conversational format: lists of {"role", "content"} messages) become text
+# by ONE fixed template, for pairs and SFT text alike: a line per message, "Role: content". A
+# prompt ends with "\nAssistant:", so its response starts with a space, as every response here.
+#     System: Answer briefly.        <- optional
+#     User: Will it rain today?
+#     Assistant: Probably not.
+ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+def render(messages):
+    return "\n".join(f"{ROLES[m['role']]}: {m['content']}" for m in messages)
+
 def _field(path, n, row, key):
+    """row[key]: a string, or a non-empty list of messages the template renders."""
     if key not in row:
         raise DataError(f'{path}:{n}: missing field "{key}"')
-    if not isinstance(row[key], str):
-        raise DataError(f'{path}:{n}: field "{key}" must be a string, got {_json_type(row[key])}')
-    return row[key]
+    v = row[key]
+    if isinstance(v, str):
+        return _text(path, n, v, f'field "{key}"')
+    if not isinstance(v, list) or not v:
+        raise DataError(f'{path}:{n}: field "{key}" must be a string or a list of messages, got '
+                        f'{"an empty array" if v == [] else _json_type(v)}')
+    for i, m in enumerate(v):
+        if (not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in list(ROLES)
+                or not isinstance(m["content"], str)):
+            raise DataError(f'{path}:{n}: {key}[{i}] is {json.dumps(m)[:50]}: the template renders '
+                            f'{{"role": "system", "user" or "assistant", "content": a string}}')
+        _text(path, n, m["content"], f"{key}[{i}]")
+    return v
 
 def _nonempty(path, rows, what):
     if not rows:
@@ -269,40 +327,72 @@ def _nonempty(path, rows, what):
     return rows
 
 def read_pairs(path):
-    """Preference JSONL, one row per line: {"prompt", "chosen", "rejected"} strings (other fields are
-    ignored), or only full "chosen" and "rejected" texts sharing a prompt: then the prompt is their
-    common prefix up to its last whitespace, and the responses start with that whitespace (as TRL's
-    extract_prompt: words both responses begin with stay in them only if no whitespace follows)."""
+    """Preference JSONL in TRL's formats: {"prompt", "chosen", "rejected"}, all strings or all lists
+    of messages (rendered by the template); or an implicit prompt: only "chosen" and "rejected",
+    full texts or conversations, whose prompt is what both begin with: the messages (as TRL's
+    extract_prompt), or the text up to the last whitespace before they differ (TRL cuts at the
+    first differing character; we never cut a word). A row with a prompt may hold other fields
+    (ignored); one without holds nothing else: another key is likelier a misspelled "prompt"."""
     out = []
     for n, line in _lines(path):
         row = _json_row(path, n, line)
+        extra = sorted(set(row) - {"chosen", "rejected"})
+        if "prompt" not in row and extra:
+            raise DataError(f'{path}:{n}: no "prompt" field but other fields ({", ".join(extra)}): '
+                            f'a misspelled "prompt"? A row without one holds only the responses')
         p = _field(path, n, row, "prompt") if "prompt" in row else None
         c, r = _field(path, n, row, "chosen"), _field(path, n, row, "rejected")
+        if len({type(v) for v in (p, c, r) if v is not None}) > 1:
+            raise DataError(f"{path}:{n}: mixes strings and lists of messages")
+        if c == r:
+            raise DataError(f'{path}:{n}: "chosen" and "rejected" are identical')
+        if isinstance(c, list):
+            if p is None:  # the messages both begin with, as TRL's extract_prompt
+                k = 0
+                while k < min(len(c), len(r)) and c[k] == r[k]:
+                    k += 1
+                p, c, r = c[:k], c[k:], r[k:]
+            if not p:
+                raise DataError(f'{path}:{n}: no "prompt" field, and the conversations share no '
+                                f'first message')
+            if not c or not r or c[0]["role"] != "assistant" or r[0]["role"] != "assistant":
+                raise DataError(f'{path}:{n}: "chosen" and "rejected" must each answer the prompt '
+                                f'with an assistant message')
+            x = render(p) + "\nAssistant:"
+            p, c, r = x, render(p + c)[len(x):], render(p + r)[len(x):]
         for key, v in (("chosen", c), ("rejected", r)):
             if not v:
                 raise DataError(f'{path}:{n}: field "{key}" is empty')
-        if c == r:
-            raise DataError(f'{path}:{n}: "chosen" and "rejected" are identical')
         if p is None:
             k = len(os.path.commonprefix([c, r]))
             cut = max((i for i in range(k) if c[i].isspace()), default=0)
             if cut == 0:
-                raise DataError(f'{path}:{n}: no "prompt" field, and "chosen" and "rejected" share no '
-                                f'prompt (no whitespace inside their common prefix)')
+                raise DataError(f'{path}:{n}: no "prompt" field, and "chosen" and "rejected" share '
+                                f'no prompt (no whitespace inside their common prefix)')
             p, c, r = c[:cut], c[cut:], r[cut:]
         out.append(dict(prompt=p, chosen=c, rejected=r))
     return _nonempty(path, out, "rows")
 
 def read_prompts(path):
-    """JSONL rows {"prompt": str} when the name ends in .jsonl, else plain text, a prompt per line."""
+    """JSONL rows {"prompt": a string or messages} when the name ends in .jsonl (messages rendered
+    as a prompt: the template, then "\nAssistant:"), else plain text, a prompt per line."""
     if path.endswith(".jsonl"):
-        return _nonempty(path, [_field(path, n, _json_row(path, n, line), "prompt")
-                                for n, line in _lines(path)], "prompts")
-    return _nonempty(path, [line for _, line in _lines(path)], "prompts")
+        ps = [_field(path, n, _json_row(path, n, line), "prompt") for n, line in _lines(path)]
+        return _nonempty(path, [p if isinstance(p, str) else render(p) + "\nAssistant:"
+                                for p in ps], "prompts")
+    return _nonempty(path, [_text(path, n, s, "the line") for n, s in _lines(path)], "prompts")
 
 def read_texts(path):
-    """Plain text, one text per line."""
-    return _nonempty(path, [line for _, line in _lines(path)], "texts")
+    """SFT text: JSONL rows {"text": str} or {"messages": [...]} (rendered by the template) when
+    the name ends in .jsonl (a text may then hold newlines), else plain text, a text per line."""
+    if not path.endswith(".jsonl"):
+        return _nonempty(path, [_text(path, n, s, "the line") for n, s in _lines(path)], "texts")
+    out = []
+    for n, line in _lines(path):
+        row = _json_row(path, n, line)
+        v = _field(path, n, row, "messages" if "messages" in row else "text")
+        out.append(v if isinstance(v, str) else render(v))
+    return _nonempty(path, out, "texts")
 
 # -----------------------------------------------------------------------------
 # Token sequences. Prompt and response are tokenized apart, so the boundary is exact whatever the
@@ -315,16 +405,19 @@ def encode_response(tok, response):
     return tok.encode(response) + [tok.eos]
 
 def tokenize_pairs(tok, rows, max_len, max_prompt_len):
-    """Rows {"prompt","chosen","rejected"} -> examples dict(index, prompt, chosen, rejected) of token ids,
-    index = the row's position in rows (the reference log-prob cache key), and stats.
-    Truncation, when len(prompt) + len(longer response) > max_len (all counts with BOS/EOS):
-      1. the prompt keeps its BOS and its last tokens, max(max_len - len(longer response), max_prompt_len)
-         in all (cut only as much as needed, never below max_prompt_len; TRL cuts to max_prompt_len);
-      2. then each response keeps its first max_len - len(prompt) tokens (a cut response loses its EOS:
-         it did not end). At least max_len - max_prompt_len >= 1 tokens of each are left.
+    """Rows {"prompt","chosen","rejected"} -> examples dict(index, prompt, chosen, rejected) of
+    token ids, index = the row's position in rows (the reference log-prob cache key), and stats.
+    Our truncation, when len(prompt) + len(longer response) > max_len (all counts with BOS/EOS):
+      1. the prompt keeps its BOS and its last tokens, max(max_len - len(longer response),
+         max_prompt_len) in all: cut only as much as needed, never below max_prompt_len;
+      2. then each response keeps its first max_len - len(prompt) tokens (a cut response loses its
+         EOS: it did not end). At least max_len - max_prompt_len >= 1 tokens of each are left.
+    (TRL 1.16's DPOTrainer has no prompt limit: it keeps the first max_length tokens of prompt +
+    response, truncation_mode="keep_start", and drops a pair whose prompt alone fills them.)
     A row whose two responses become identical teaches nothing (unusable): left out and counted.
     stats = {"rows", "truncated_prompt", "truncated_response", "unusable"}."""
-    assert 2 <= max_prompt_len < max_len, f"need 2 <= max_prompt_len ({max_prompt_len}) < max_len ({max_len})"
+    assert 2 <= max_prompt_len < max_len, \
+        f"need 2 <= max_prompt_len ({max_prompt_len}) < max_len ({max_len})"
     stats = dict(rows=len(rows), truncated_prompt=0, truncated_response=0, unusable=0)
     examples = []
     for i, row in enumerate(rows):
@@ -347,8 +440,8 @@ def tokenize_pairs(tok, rows, max_len, max_prompt_len):
     return examples, stats
 
 def tokenize_texts(tok, texts, max_len):
-    """SFT examples dict(index, prompt=[eos], response=encode(text) + [eos]), the response cut from the
-    right to max_len - 1 tokens. stats = {"rows", "truncated"}."""
+    """SFT examples dict(index, prompt=[eos], response=encode(text) + [eos]), the response cut from
+    the right to max_len - 1 tokens. stats = {"rows", "truncated"}."""
     stats, examples = dict(rows=len(texts), truncated=0), []
     for i, text in enumerate(texts):
         y = encode_response(tok, text)
@@ -368,7 +461,8 @@ def collate(pairs_of_prompt_response, pad_id):
     for i, (x, y) in enumerate(pairs_of_prompt_response):
         assert len(x) >= 1, "a prompt holds at least the BOS"
         ids[i, :len(x) + len(y)] = torch.tensor(x + y)
-        targets[i, len(x) - 1:len(x) + len(y) - 1] = torch.tensor(y)  # position t predicts token t+1
+        # position t predicts token t+1
+        targets[i, len(x) - 1:len(x) + len(y) - 1] = torch.tensor(y)
     return ids, targets
 
 def collate_pairs(examples, pad_id):
@@ -379,8 +473,9 @@ def collate_pairs(examples, pad_id):
     return dict(input_ids=ids, targets=targets, index=torch.tensor([e["index"] for e in examples]))
 
 # -----------------------------------------------------------------------------
-# Rank sharding: the global batch at a step depends on (n, batch_size, step, seed) only, so any world
-# size trains on the same data in the same order, and a resumed run continues where it stopped.
+# Rank sharding: the global batch at a step depends on (n, batch_size, step, seed) only, so any
+# world size trains on the same data in the same order, and a resumed run continues where it
+# stopped.
 
 def global_batch(n, batch_size, step, seed):
     """Indices of the global batch at step: epoch-wise permutation, incomplete tail dropped."""
@@ -392,14 +487,79 @@ def global_batch(n, batch_size, step, seed):
 
 def rank_slice(indices, rank, world):
     """This rank's contiguous share of the global batch; the shares are disjoint and cover it."""
-    assert len(indices) % world == 0, f"global batch {len(indices)} is not divisible by world size {world}"
+    assert len(indices) % world == 0, \
+        f"global batch {len(indices)} is not divisible by world size {world}"
     k = len(indices) // world
     return indices[rank * k:(rank + 1) * k]
 
+# -----------------------------------------------------------------------------
+# Your own preference file alone, the data side: as the DPO paper does when no SFT model exists
+# (Rafailov et al. 2023, sec. 4: π_ref maximises the likelihood of the preferred completions),
+# a tokenizer trained on your text, SFT text of prompt + chosen, and the block that fits them.
+#     python data.py own examples/dialogue_pairs.jsonl --out out/own
+
+def own_data(pairs, out_dir, vocab_size=1024, block_size=0, val_frac=0.1, seed=0, log=print):
+    """Reads the preference file `pairs` (any format read_pairs takes) and writes into out_dir:
+      pairs_train.jsonl, pairs_val.jsonl  its rows as {"prompt","chosen","rejected"} strings, a
+                                          seeded val_frac of them held out
+      sft_train.jsonl, sft_val.jsonl      {"text": prompt + chosen} of the same rows
+      prompts_eval.jsonl                  the held-out prompts
+      tokenizer.json                      byte-level BPE trained on the train rows' text
+    Returns block_size, or if 0 the smallest that fits every pair (prompt + longer response, with
+    BOS and EOS), after logging what that block cuts (nothing, unless block_size is given)."""
+    rows = read_pairs(pairs)
+    if len(rows) < 2:
+        raise DataError(f"{pairs}:1: one row: nothing to hold out for validation")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_val = min(len(rows) - 1, max(1, round(val_frac * len(rows))))
+    split = dict(train=[rows[i] for i in sorted(order[n_val:])],
+                 val=[rows[i] for i in sorted(order[:n_val])])
+    tok = train_tokenizer([r["prompt"] + r[k] for r in split["train"]
+                           for k in ("chosen", "rejected")], vocab_size)
+    os.makedirs(out_dir, exist_ok=True)
+    save_tokenizer(tok, os.path.join(out_dir, "tokenizer.json"))
+    jsonl = lambda objs: "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs)
+    for name, rs in split.items():
+        _atomic_write(os.path.join(out_dir, f"pairs_{name}.jsonl"), jsonl(rs))
+        _atomic_write(os.path.join(out_dir, f"sft_{name}.jsonl"),
+                      jsonl({"text": r["prompt"] + r["chosen"]} for r in rs))
+    _atomic_write(os.path.join(out_dir, "prompts_eval.jsonl"),
+                  jsonl({"prompt": r["prompt"]} for r in split["val"]))
+    n_tok = [(len(encode_prompt(tok, r["prompt"])), len(encode_response(tok, r["chosen"])),
+              len(encode_response(tok, r["rejected"]))) for r in rows]
+    longest = max(x + max(yc, yr) for x, yc, yr in n_tok)
+    block = block_size or longest
+    ex, st = tokenize_pairs(tok, rows, block, block // 2)  # a cut prompt keeps half the block
+    _, sft = tokenize_texts(tok, [r["prompt"] + r["chosen"] for r in rows], block)
+    lost = [sum(e[k][-1] != tok.eos for e in ex) for k in ("chosen", "rejected")]
+    chars, N = sum(len(r["prompt"] + r["chosen"] + r["rejected"]) for r in rows), len(rows)
+    log(f"{out_dir}: {len(split['train'])} train and {n_val} val pairs of {pairs}, a tokenizer of "
+        f"{tok.vocab_size} tokens ({chars / sum(map(sum, n_tok)):.1f} characters per token)\n"
+        f"block_size {block} (the longest pair is {longest} tokens with BOS and EOS), "
+        f"max_prompt_len {block // 2}: {st['truncated_prompt']} of {N} prompts and "
+        f"{st['truncated_response']} of {N} pairs' responses cut (EOS lost: {lost[0]} chosen, "
+        f"{lost[1]} rejected), {st['unusable']} unusable, {sft['truncated']} of {N} SFT texts cut")
+    return block
+
 if __name__ == "__main__":
+    import argparse
+    import sys
+    if sys.argv[1:2] == ["own"]:
+        ap = argparse.ArgumentParser(prog="python data.py own", description=own_data.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap.add_argument("pairs", help="your preference JSONL")
+        ap.add_argument("--out", default="out/own", help="the folder to write")
+        ap.add_argument("--vocab_size", type=int, default=1024, help="the tokenizer's")
+        ap.add_argument("--block_size", type=int, default=0, help="0: fit the longest pair")
+        a = ap.parse_args(sys.argv[2:])
+        own_data(a.pairs, a.out, a.vocab_size, a.block_size)
+        sys.exit()
     d = ensure_task()
     with open(os.path.join(d, "task.json")) as f:
         print(f.read())
     for row in read_pairs(os.path.join(d, "pairs_train.jsonl"))[:4]:
-        rc, rr = true_reward(row["prompt"], row["chosen"]), true_reward(row["prompt"], row["rejected"])
-        print(f"{row['prompt']!r}\n  chosen   {rc:+.1f} {row['chosen']!r}\n  rejected {rr:+.1f} {row['rejected']!r}")
+        rc = true_reward(row["prompt"], row["chosen"])
+        rr = true_reward(row["prompt"], row["rejected"])
+        print(f"{row['prompt']!r}\n  chosen   {rc:+.1f} {row['chosen']!r}\n"
+              f"  rejected {rr:+.1f} {row['rejected']!r}")

@@ -580,20 +580,58 @@ def test_text_logprob_sums_to_one():
 
 GOOD = '{"prompt": "the plot is", "chosen": " good .", "rejected": " bad ."}'
 
+def msgs(*turns):
+    """[{"role", "content"}] from (role, content) pairs, as TRL's conversational rows."""
+    return [{"role": r, "content": c} for r, c in turns]
+
+U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
+
 @pytest.mark.parametrize("bad, says", [
     ("not json", "not valid JSON"),
     ('["the plot", " good .", " bad ."]', "expected a JSON object, got an array"),
     ('{"prompt": "a", "chosen": " b"}', 'missing field "rejected"'),
     ('{"prompt": "a", "rejected": " b"}', 'missing field "chosen"'),
-    ('{"prompt": null, "chosen": " b", "rejected": " c"}', 'field "prompt" must be a string, got null'),
-    ('{"prompt": "a", "chosen": 3, "rejected": " c"}', 'field "chosen" must be a string, got a number'),
-    ('{"prompt": "a", "chosen": " b", "rejected": ["c"]}', 'field "rejected" must be a string, got an array'),
+    ('{"prompt": null, "chosen": " b", "rejected": " c"}',
+     'field "prompt" must be a string or a list of messages, got null'),
+    ('{"prompt": "a", "chosen": 3, "rejected": " c"}',
+     'field "chosen" must be a string or a list of messages, got a number'),
+    ('{"prompt": "a", "chosen": " b", "rejected": ["c"]}',
+     'rejected[0] is "c": the template renders'),
     ('{"prompt": "a", "chosen": "", "rejected": " c"}', 'field "chosen" is empty'),
     ('{"prompt": "a", "chosen": " c", "rejected": ""}', 'field "rejected" is empty'),
     ('{"prompt": "a", "chosen": " b", "rejected": " b"}', '"chosen" and "rejected" are identical'),
     ('{"chosen": "x b", "rejected": "x b"}', '"chosen" and "rejected" are identical'),
-    ('{"chosen": "great plot", "rejected": "good plot"}', 'no "prompt" field'),  # common prefix has no space
+    ('{"chosen": "great plot", "rejected": "good plot"}', 'no "prompt" field'),  # no common space
     ('{"chosen": " yes", "rejected": " no"}', 'no "prompt" field'),             # ... or only at the start
+    # silent misreads before: a misspelled prompt became the responses' common first word " it"
+    ('{"promt": "the plot", "chosen": " it felt good .", "rejected": " it felt bad ."}',
+     'no "prompt" field but other fields (promt): a misspelled "prompt"?'),
+    ('{"prompt": "a", "chosen": " b", "rejected": " c", "prompt": "d"}',
+     'key "prompt" appears twice'),
+    ('{"prompt": "a <|endoftext|> b", "chosen": " b", "rejected": " c"}',
+     'field "prompt" contains <|endoftext|>, which the tokenizer would read as its special token'),
+    ('{"prompt": "a", "chosen": " b<|pad|>", "rejected": " c"}', 'field "chosen" contains <|pad|>'),
+    ('{"prompt": "a \\ud83d", "chosen": " b", "rejected": " c"}',
+     'field "prompt" holds a lone surrogate escape'),
+    # conversational rows (TRL's format) the template cannot render
+    (json.dumps(dict(prompt=msgs(("tool", "x")), chosen=A, rejected=msgs(("assistant", "no")))),
+     'prompt[0] is {"role": "tool", "content": "x"}: the template renders'),
+    (json.dumps(dict(prompt=U, chosen=[{"role": "assistant", "content": "b", "name": "x"}],
+                     rejected=A)), "chosen[0] is {"),
+    (json.dumps(dict(prompt=U, chosen=A, rejected=msgs(("assistant", 3)))), "rejected[0] is {"),
+    (json.dumps(dict(prompt=[], chosen=A, rejected=A)), 'field "prompt" must be a string or a list '
+     'of messages, got an empty array'),
+    (json.dumps(dict(prompt="hi", chosen=A, rejected=msgs(("assistant", "no")))),
+     "mixes strings and lists of messages"),
+    (json.dumps(dict(prompt=U, chosen=msgs(("user", "b")), rejected=A)),
+     '"chosen" and "rejected" must each answer the prompt with an assistant message'),
+    (json.dumps(dict(chosen=U + A, rejected=U + A + U + A)), "must each answer the prompt"),
+    (json.dumps(dict(chosen=U + A, rejected=msgs(("user", "yo")) + A)),
+     'no "prompt" field, and the conversations share no first message'),
+    (json.dumps(dict(prompt=U, chosen=msgs(("assistant", "<|endoftext|>")), rejected=A)),
+     "chosen[0] contains <|endoftext|>"),
+    ('{"prompt": [{"role": "user", "role": "assistant", "content": "x"}], "chosen": " b"}',
+     'key "role" appears twice'),
 ])
 def test_read_pairs_bad_rows_name_file_and_line(tmp_path, bad, says):
     path = tmp_path / "pairs.jsonl"
@@ -623,8 +661,8 @@ def test_read_pairs_full_texts_variant(tmp_path):
     rows = [{"chosen": "Human: hi Assistant: hello there", "rejected": "Human: hi Assistant: go away"},
             {"chosen": "Q: x A: the cat .", "rejected": "Q: x A: the dog ."},   # a shared first word stays
             {"chosen": "a\n\nHuman: b", "rejected": "a\n\nHuman: c d"},
-            {"chosen": "the plot is good", "rejected": "the plot is good and long", "id": 7},
-            {"prompt": "p", "chosen": "x", "rejected": "y"}]                  # explicit prompt: as given
+            {"chosen": "the plot is good", "rejected": "the plot is good and long"},
+            {"prompt": "p", "chosen": "x", "rejected": "y", "id": 7}]    # explicit prompt: as given
     path = tmp_path / "full.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert data.read_pairs(str(path)) == [
@@ -633,6 +671,97 @@ def test_read_pairs_full_texts_variant(tmp_path):
         dict(prompt="a\n\nHuman:", chosen=" b", rejected=" c d"),
         dict(prompt="the plot is", chosen=" good", rejected=" good and long"),
         dict(prompt="p", chosen="x", rejected="y")]
+
+def test_read_files_directory_missing_and_bom(tmp_path):
+    # a directory or a missing file is one error line naming it, for every reader (was a traceback)
+    for reader in (data.read_pairs, data.read_prompts, data.read_texts):
+        for path in (str(tmp_path), str(tmp_path / "nope.jsonl")):
+            with pytest.raises(data.DataError, match=f"^{path}: cannot read it"):
+                reader(path)
+    # a UTF-8 BOM (Windows editors) is not part of the first row (was "not valid JSON")
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "p.jsonl").write_bytes(bom + (GOOD + "\n").encode() * 2)
+    assert data.read_pairs(str(tmp_path / "p.jsonl")) == [
+        dict(prompt="the plot is", chosen=" good .", rejected=" bad .")] * 2
+    (tmp_path / "t.txt").write_bytes(bom + "it felt\nthe plot\n".encode())
+    assert data.read_texts(str(tmp_path / "t.txt")) == ["it felt", "the plot"]
+    (tmp_path / "q.jsonl").write_bytes(bom + b'{"prompt": "it felt"}\n')
+    assert data.read_prompts(str(tmp_path / "q.jsonl")) == ["it felt"]
+    # special tokens as text in plain text files too
+    (tmp_path / "t.txt").write_text("it felt\nthe plot<|endoftext|>\n")
+    with pytest.raises(data.DataError, match=re.escape(f"{tmp_path}/t.txt:2: the line contains <|")):
+        data.read_texts(str(tmp_path / "t.txt"))
+
+def test_read_pairs_conversational_rows_use_the_one_template(tmp_path):
+    sys_u = msgs(("system", "Be brief."), ("user", "Rain today?"))
+    abc = msgs(("user", "a"), ("assistant", "b"), ("user", "c"))
+    rows = [dict(prompt=sys_u, chosen=msgs(("assistant", "No.")),
+                 rejected=msgs(("assistant", "Yes."))),
+            # implicit prompt: the messages both begin with; a response may go on for more turns
+            dict(chosen=sys_u + msgs(("assistant", "No."), ("user", "Sure?"), ("assistant", "Yes.")),
+                 rejected=sys_u + msgs(("assistant", "Maybe."))),
+            dict(chosen=abc + msgs(("assistant", "d")), rejected=abc + msgs(("assistant", "e"))),
+            dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away")]  # strings
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    x = "System: Be brief.\nUser: Rain today?\nAssistant:"
+    assert data.read_pairs(str(tmp_path / "c.jsonl")) == [
+        dict(prompt=x, chosen=" No.", rejected=" Yes."),
+        dict(prompt=x, chosen=" No.\nUser: Sure?\nAssistant: Yes.", rejected=" Maybe."),
+        dict(prompt="User: a\nAssistant: b\nUser: c\nAssistant:", chosen=" d", rejected=" e"),
+        dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away")]
+    # the same template renders SFT text ({"messages"} rows) and prompts: a pair's prompt + chosen
+    # is the SFT text of the whole conversation, token for token (the boundary is at a word start)
+    (tmp_path / "t.jsonl").write_text(json.dumps({"messages": rows[1]["chosen"]}) + "\n" +
+                                      json.dumps({"text": "one\ntext"}) + "\n")
+    texts = data.read_texts(str(tmp_path / "t.jsonl"))
+    assert texts == [x + " No.\nUser: Sure?\nAssistant: Yes.", "one\ntext"]
+    tok = data.train_tokenizer(texts * 10, vocab_size=300)
+    assert tok.encode(x) + tok.encode(" No.\nUser: Sure?\nAssistant: Yes.") == tok.encode(texts[0])
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": sys_u}) + "\n")
+    assert data.read_prompts(str(tmp_path / "p.jsonl")) == [x]
+    (tmp_path / "t.jsonl").write_text('{"text": "a"}\n{"txt": "b"}\n')
+    with pytest.raises(data.DataError, match=f'^{tmp_path}/t.jsonl:2: missing field "text"'):
+        data.read_texts(str(tmp_path / "t.jsonl"))
+
+EXAMPLE = os.path.join(HERE, "examples", "dialogue_pairs.jsonl")
+
+def test_own_data_on_the_example_file(tmp_path):
+    # the shipped file: a few dozen hand-written rows in all four formats, read without an error
+    with open(EXAMPLE) as f:
+        raw = [json.loads(line) for line in f]
+    assert len(raw) >= 30 and {tuple(sorted(r)) for r in raw} == {("chosen", "prompt", "rejected"),
+                                                                 ("chosen", "rejected")}
+    assert {type(r["chosen"]) for r in raw} == {str, list}
+    rows = data.read_pairs(EXAMPLE)
+    out = tmp_path / "own"
+    p = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "own", EXAMPLE, "--out",
+                        str(out), "--vocab_size", "512"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    read = lambda name, key: [json.loads(line)[key] for line in open(out / name)]  # noqa: E731
+    train = data.read_pairs(str(out / "pairs_train.jsonl"))
+    val = data.read_pairs(str(out / "pairs_val.jsonl"))
+    assert sorted(map(json.dumps, train + val)) == sorted(map(json.dumps, rows)) and len(val) == 4
+    assert read("sft_train.jsonl", "text") == [r["prompt"] + r["chosen"] for r in train]
+    assert read("sft_val.jsonl", "text") == [r["prompt"] + r["chosen"] for r in val]
+    assert read("prompts_eval.jsonl", "prompt") == [r["prompt"] for r in val]
+    # the block printed is the longest pair with this tokenizer, BOS and EOS included: nothing cut
+    tok = data.load_tokenizer(str(out / "tokenizer.json"))
+    longest = max(len(data.encode_prompt(tok, r["prompt"])) + max(len(data.encode_response(tok, r[k]))
+                                                                  for k in ("chosen", "rejected"))
+                  for r in rows)
+    assert f"block_size {longest} (the longest pair is {longest} tokens" in p.stdout, p.stdout
+    assert "0 of 36 prompts and 0 of 36 pairs' responses cut" in p.stdout
+    st = data.tokenize_pairs(tok, rows, longest - 1, 8)[1]  # and one token less cuts something
+    assert st["truncated_prompt"] + st["truncated_response"] >= 1
+    # a smaller block: the counts are tokenize_pairs' own, and the chosen/rejected EOS losses apart
+    logs = []
+    assert data.own_data(EXAMPLE, str(out), vocab_size=512, block_size=48, log=logs.append) == 48
+    ex, st = data.tokenize_pairs(tok, rows, 48, 24)
+    lost = [sum(e[k][-1] != tok.eos for e in ex) for k in ("chosen", "rejected")]
+    assert (f"{st['truncated_prompt']} of 36 prompts and {st['truncated_response']} of 36 pairs' "
+            f"responses cut (EOS lost: {lost[0]} chosen, {lost[1]} rejected)") in logs[0]
+    assert st["truncated_response"] > 0 and lost[0] != lost[1]  # chosen answers run longer here
 
 def test_tokenize_pairs_truncation_rule(tok):
     assert all(len(tok.encode(" " + w)) == 1 for w in "the movie is great . i loved plot it felt".split())
