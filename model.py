@@ -396,7 +396,8 @@ def export_gpt2(model, tokenizer_json, out_dir):
                               as the BOS every sequence here starts with: tokenizer(" the movie")
                               gives data.encode_prompt's ids
       tokenizer_config.json   EOS (also BOS) and PAD by name, no clean-up of spaces in decode (it
-      special_tokens_map.json would turn " ." into "."), model_max_length = block_size"""
+      special_tokens_map.json would turn " ." into "."), no token_type_ids (transformers 4.x
+                              returns them by default, and GPT-2 adds them to the input)"""
     c = model.config
     _check(c.head == "lm" and c.bias, "the GPT-2 layout needs the LM head and biases")
     tk = Tokenizer.from_file(tokenizer_json)
@@ -417,7 +418,9 @@ def export_gpt2(model, tokenizer_json, out_dir):
                   reorder_and_upcast_attn=False, tie_word_embeddings=True,
                   resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, **ids)
     special = dict(bos_token=EOS, eos_token=EOS, pad_token=PAD)
+    # model_input_names: no token_type_ids, which GPT-2 would add to the input as wte rows
     tok_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=c.block_size,
+                      model_input_names=["input_ids", "attention_mask"],
                       clean_up_tokenization_spaces=False, **special)
     files = {"model.safetensors": save(sd, metadata={"format": "pt"}),  # transformers checks it
              "tokenizer.json": tk.to_str(pretty=True).encode()}

@@ -400,6 +400,7 @@ def test_export_folder_for_transformers(tmp_path):
     assert read("special_tokens_map.json") == special
     assert read("tokenizer_config.json") == {**special, "tokenizer_class": "PreTrainedTokenizerFast",
                                              "model_max_length": 32,
+                                             "model_input_names": ["input_ids", "attention_mask"],
                                              "clean_up_tokenization_spaces": False}
     # the tokenizer puts the BOS first, as every sequence here starts; without it, our ids
     hf_tok = Tokenizer.from_file(str(out / "tokenizer.json"))
