@@ -375,7 +375,7 @@ def read_pairs(path):
 
 def read_prompts(path):
     """JSONL rows {"prompt": a string or messages} when the name ends in .jsonl (messages rendered
-    as a prompt: the template, then "\nAssistant:"), else plain text, a prompt per line."""
+    as a prompt: the template, then a line "Assistant:"), else plain text, a prompt per line."""
     if path.endswith(".jsonl"):
         ps = [_field(path, n, _json_row(path, n, line), "prompt") for n, line in _lines(path)]
         return _nonempty(path, [p if isinstance(p, str) else render(p) + "\nAssistant:"
@@ -390,6 +390,8 @@ def read_texts(path):
     out = []
     for n, line in _lines(path):
         row = _json_row(path, n, line)
+        if "text" in row and "messages" in row:
+            raise DataError(f'{path}:{n}: both "text" and "messages": which one is the text?')
         v = _field(path, n, row, "messages" if "messages" in row else "text")
         out.append(v if isinstance(v, str) else render(v))
     return _nonempty(path, out, "texts")
@@ -499,14 +501,10 @@ def rank_slice(indices, rank, world):
 #     python data.py own examples/dialogue_pairs.jsonl --out out/own
 
 def own_data(pairs, out_dir, vocab_size=1024, block_size=0, val_frac=0.1, seed=0, log=print):
-    """Reads the preference file `pairs` (any format read_pairs takes) and writes into out_dir:
-      pairs_train.jsonl, pairs_val.jsonl  its rows as {"prompt","chosen","rejected"} strings, a
-                                          seeded val_frac of them held out
-      sft_train.jsonl, sft_val.jsonl      {"text": prompt + chosen} of the same rows
-      prompts_eval.jsonl                  the held-out prompts
-      tokenizer.json                      byte-level BPE trained on the train rows' text
-    Returns block_size, or if 0 the smallest that fits every pair (prompt + longer response, with
-    BOS and EOS), after logging what that block cuts (nothing, unless block_size is given)."""
+    """Writes out_dir/: pairs_{train,val}.jsonl (the rows of `pairs` as strings, a seeded val_frac
+    held out), sft_{train,val}.jsonl ({"text": prompt + chosen}), prompts_eval.jsonl (the held-out
+    prompts), tokenizer.json (byte-level BPE on the train rows). Returns block_size, or (0) the
+    smallest that fits every pair (prompt + longer response, BOS and EOS), logging what it cuts."""
     rows = read_pairs(pairs)
     if len(rows) < 2:
         raise DataError(f"{pairs}:1: one row: nothing to hold out for validation")

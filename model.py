@@ -31,11 +31,9 @@ class GPTConfig:
     n_layer: int = 4        # transformer blocks
     n_head: int = 4         # attention heads; n_embd must divide by it
     n_embd: int = 128       # width of the residual stream
-    # on embeddings, attention probs, residual branches (0 for RL: log-probs must be exact)
-    dropout: float = 0.0
+    dropout: float = 0.0    # embeddings, attention, residuals (0 for RL: log-probs must be exact)
     bias: bool = True       # biases in Linear and LayerNorm, as GPT-2
-    # "lm": logits over the vocab (tied to wte); "scalar": one value per position
-    head: str = "lm"
+    head: str = "lm"        # "lm": logits over the vocab (tied to wte); "scalar": one per position
 
 
 class CausalSelfAttention(nn.Module):
