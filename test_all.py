@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -385,16 +384,25 @@ def test_logprobs_only_where_a_target_exists_equal_the_full_logits():
 
 
 def test_peak_flops_measured_once_at_the_models_shapes_for_long_enough(monkeypatch):
+    # A fake clock on which every matmul takes 1 ms: the peak is then the largest shape's 2·m·k·n
+    # per ms, and the blocks must hold enough matmuls to last their share of the 0.1 s
     monkeypatch.setattr(plumbing, "PEAKS", {})
     shapes = model_matmul_shapes(GPTConfig(n_embd=32, vocab_size=64), 256, 100)
-    seen, mm = [], torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b, out: (seen.append((*a.shape, b.shape[1])),
-                                                        mm(a, b, out=out))[1])
-    t0 = time.perf_counter()
+    seen, now, mm = [], [0.0], torch.mm
+
+    def timed_mm(a, b, out):
+        seen.append((*a.shape, b.shape[1]))
+        now[0] += 1e-3
+        return mm(a, b, out=out)
+    monkeypatch.setattr(torch, "mm", timed_mm)
+    monkeypatch.setattr(plumbing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     peak = plumbing.measure_peak_flops(torch.device("cpu"), shapes, seconds=0.1)
-    assert time.perf_counter() - t0 >= 0.1 and peak > 0  # >= 0.1 s of timed blocks, and a number
-    # every shape of the model's, the MLP's and the head's among them
+    # the fastest shape's FLOP/s (the fake clock adds up 1e-3 steps: rounding only)
+    assert peak == pytest.approx(max(2 * m * k * n for m, k, n in shapes) / 1e-3, rel=1e-9)
+    # each of the model's shapes, the MLP's and the head's among them, in 5 timed blocks of at
+    # least 0.1 s / 5 / 5 shapes = 4 ms: >= 20 matmuls each (the warm-up comes on top)
     assert set(seen) == set(shapes) and (256, 32, 128) in seen and (100, 32, 64) in seen
+    assert all(seen.count(s) >= 20 for s in shapes)
     n = len(seen)
     assert plumbing.measure_peak_flops(torch.device("cpu"), shapes) == peak  # once per process:
     assert len(seen) == n  # the second call times nothing
@@ -1422,21 +1430,29 @@ def test_ppo_stops_on_non_finite(tiny, tiny_rm, tmp_path):
     assert not os.path.exists(tmp_path / "ppo" / "model.safetensors")
 
 
-def test_ppo_first_minibatch_ratio_is_one_with_cut_micro_batches(tiny, tiny_rm, tmp_path):
+def test_ppo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, tiny_rm, tmp_path):
     # One epoch of one minibatch: the update's forward sees the weights that made the old
     # log-probs and values, so the PPO ratio is 1 and nothing is clipped, whatever the micro-batches
     # (sorted by response length, each cut to its own longest prompt and response, 4 of 2 rows
     # here). The old log-probs come from one forward over the whole rollout batch: only fp32
     # summation order differs (~1e-6 per token, so approx_kl ~ 1e-12); a column off by one in the
     # cut moves log-probs by O(1) and approx_kl far above 1e-8.
+    # And the update does not depend on the micro-batching: one micro-batch of 8 (cut to the
+    # minibatch's longest row) against 8 of one row (each cut to itself) give the same losses and
+    # gradient norm, up to fp32 summation order (DPO_TOL, as DPO's equivalent runs); a token cut
+    # off a row, or a padded one counted, moves them by > 1e-3.
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text(json.dumps({"prompt": "the movie is"}) + "\n")
-    cfg = tiny_ppo_config(tiny, str(tiny_rm / "model.safetensors"), tmp_path / "ppo", str(prompts))
-    cfg = replace(cfg, iterations=1, mini_batch=8, ppo_epochs=1)
-    ppo.main(cfg)
-    m = read_metrics(cfg.out_dir)[0]
+    runs, rm = [], str(tiny_rm / "model.safetensors")
+    for micro in (2, 1, 8):
+        cfg = tiny_ppo_config(tiny, rm, tmp_path / f"ppo{micro}", str(prompts))
+        ppo.main(replace(cfg, iterations=1, mini_batch=8, ppo_epochs=1, micro_batch_size=micro))
+        runs.append(read_metrics(cfg.out_dir)[0])
+    m = runs[0]
     assert m["clipfrac"] == 0 and m["vf_clipfrac"] == 0 and m["approx_kl"] < 1e-8
     assert 0 < m["mfu"] < m["mfu_hardware"]
+    for k in ("loss/policy", "loss/value", "grad_norm"):
+        assert abs(runs[1][k] - runs[2][k]) <= DPO_TOL * max(1, abs(runs[1][k])), k
 
 
 # ====================================================================================================
