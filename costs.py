@@ -1,8 +1,9 @@
 """What each job costs, measured side by side at π_ref's size and extrapolated to 7B: the models
-each training job holds and their bytes, the FLOPs of each phase, the wall time of the real loops
-(in interleaved rounds: a busy machine slows every job alike, so the ratios hold), and the one-time
-precompute with its payback. The analytic functions are checked here against the tensors' bytes and
-torch's FLOP counter, then evaluated for a Llama-2-7B-sized GPT on 8 GPUs.
+each training job holds and their bytes, the FLOPs of each phase (per padded position, per real
+token, per example), the wall time and utilisation of the real loops (in interleaved rounds: a busy
+machine slows every job alike, so the ratios hold), and the one-time precompute with its payback in
+FLOPs and in time. The analytic functions are checked here against the tensors' bytes and torch's
+FLOP counter, then evaluated for a Llama-2-7B-sized GPT on 8 GPUs.
 
     python compare.py --no-frontier      # runs these tables alone (compare.py runs them after the
                                          # frontier); they land in out/compare/costs.{md,json}
@@ -15,34 +16,39 @@ import time
 from dataclasses import asdict, replace
 
 import torch
+import torch.nn.functional as F
+from safetensors import safe_open
 
 import data
 import dpo
 import ppo
 import precompute
 import reward
-from model import GPTConfig, count_flops, estimate_flops, generate, load_model
+from model import (GPTConfig, count_flops, estimate_flops, generate, generate_flops, load_model,
+                   sequence_logprobs)
 
 # -----------------------------------------------------------------------------
-# The analytic costs. Checked against the tensors' nbytes and torch's FlopCounterMode at π_ref's size by
-# every run (and the tests); the 7B table is the same functions at 7B.
+# The analytic costs. Checked against the tensors' nbytes and torch's FlopCounterMode at π_ref's
+# size by every run (and the tests); the 7B table is the same functions at 7B.
 
 
 def n_params(c):
     """(parameters, parameter tensors) of model.GPT(c); the tied lm_head is wte, counted once."""
     C, b = c.n_embd, c.bias
-    block = 12 * C * C + 2 * C + (11 * C if b else 0)  # 4 matrices, 2 LayerNorm gains, 9C + 2C biases
+    # 4 matrices, 2 LayerNorm gains, 9C + 2C biases
+    block = 12 * C * C + 2 * C + (11 * C if b else 0)
     P = (c.vocab_size + c.block_size) * C + c.n_layer * block + C * (2 if b else 1)
     n = 2 + c.n_layer * (12 if b else 6) + (2 if b else 1)
-    return (P + C + 1, n + 2) if c.head == "scalar" else (P, n)  # the scalar head: Linear(C, 1) with bias
+    # the scalar head: Linear(C, 1) with bias
+    return (P + C + 1, n + 2) if c.head == "scalar" else (P, n)
 
 
 def state_bytes(c, trainable, w=4, world=1, shard="ddp"):
-    """Bytes one resident GPT holds on one rank: weights (w bytes each: 4 fp32, 2 bf16), and if it trains
-    with AdamW, grads (w bytes), m and v (fp32), torch's 4-byte step count per tensor, and an fp32 master
-    copy when w < 4 (mixed precision: ZeRO's 2 + 2 + 12 bytes per parameter, Rajbhandari et al. 2020).
-    shard: "ddp" every rank holds it all; "zero1" the optimizer state is split over `world` ranks;
-    "fsdp" weights, grads and optimizer state are all split (ZeRO-3)."""
+    """Bytes one resident GPT holds on one rank: weights (w bytes each: 4 fp32, 2 bf16), and if it
+    trains with AdamW, grads (w bytes), m and v (fp32), torch's 4-byte step count per tensor, and an
+    fp32 master copy when w < 4 (mixed precision: ZeRO's 2 + 2 + 12 bytes per parameter,
+    Rajbhandari et al. 2020). shard: "ddp" every rank holds it all; "zero1" the optimizer state is
+    split over `world` ranks; "fsdp" weights, grads and optimizer state are all split (ZeRO-3)."""
     P, n = n_params(c)
     s = {"weights": w * P, "grads": w * P if trainable else 0,
          "optimizer": 8 * P + 4 * n + (4 * P if w < 4 else 0) if trainable else 0}
@@ -51,25 +57,25 @@ def state_bytes(c, trainable, w=4, world=1, shard="ddp"):
     return {**s, "total": sum(s.values())}
 
 
-def generate_flops(c, B, P, N):
-    """model.generate writing N columns after a P-token prompt: a prefill forward over (B, P), then N - 1
-    one-token forwards (the last sampled token is never fed back), the one at column S attending to S keys."""
-    attn = lambda T, S: 4 * B * T * S * c.n_embd * c.n_layer  # noqa: E731  q·kᵀ and att·v, all heads
-    return estimate_flops(c, B, P) + sum(estimate_flops(c, B, 1) - attn(1, 1) + attn(1, S) for S in range(P + 1, P + N))
-
-
-def iteration_flops(c, job, B, T, P=0, epochs=4):
-    """FLOPs of one iteration of `job` by phase, as the loops run it; c: the policy's GPTConfig (critic and
-    r_φ are the same transformer with a one-unit head).
-      dpo_cache, dpo_live: B pairs, (2B, T) rows [chosen; rejected]: the policy's forward and backward, and
-          (live) π_ref's forward; the cache's reference is a lookup
-      ppo: B rollouts of T columns, P of them prompt: the rollout engine samples them (KV cache), r_φ scores,
-          policy (old log-probs), π_ref and critic run forward, `epochs` passes of forward + backward update."""
+def iteration_flops(c, job, B, T, K, P=0, epochs=4):
+    """FLOPs of one iteration of `job` by phase, as the loops run it (hardware FLOPs: padding
+    included); c: the policy's GPTConfig (critic and r_φ are the same transformer with a one-unit
+    head). K: the positions with a target, where the LM head runs (model.sequence_logprobs).
+      dpo_cache, dpo_live: B pairs, (2B, T) rows [chosen; rejected] with K response tokens: the
+          policy's forward and backward, and (live) π_ref's forward; the cache's reference is a
+          lookup
+      ppo: B rollouts of T columns, P of them prompt, K sampled tokens: the rollout engine samples
+          them (KV cache), r_φ scores, policy (old log-probs), π_ref and critic run forward,
+          `epochs` passes of forward + backward update (here over the whole (B, T) batch; ppo.py
+          cuts each micro-batch to its own lengths, so it runs somewhat less)."""
     f, s = estimate_flops, replace(c, head="scalar")
     if job == "ppo":
-        return {"rollout": generate_flops(c, B, P, T - P), "reward": f(s, B, T), "ref_critic": 2 * f(c, B, T) + f(s, B, T),
-                "update": epochs * (f(c, B, T, backward=True) + f(s, B, T, backward=True))}
-    return {"policy": f(c, 2 * B, T, backward=True), "reference": f(c, 2 * B, T) if job == "dpo_live" else 0}
+        return {"rollout": generate_flops(c, B, P, T - P), "reward": f(s, B, T),
+                "ref_critic": 2 * f(c, B, T, outputs=K) + f(s, B, T),
+                "update": epochs * (f(c, B, T, backward=True, outputs=K)
+                                    + f(s, B, T, backward=True))}
+    return {"policy": f(c, 2 * B, T, backward=True, outputs=K),
+            "reference": f(c, 2 * B, T, outputs=K) if job == "dpo_live" else 0}
 
 
 JOBS = {  # what each training job holds: (model, head, trains)
@@ -77,61 +83,130 @@ JOBS = {  # what each training job holds: (model, head, trains)
             ("reward model", "scalar", False), ("rollout copy", "lm", False)],
     "dpo_live": [("policy", "lm", True), ("reference", "lm", False)],
     "dpo_cache": [("policy", "lm", True)]}
-LABEL = {"ppo": "PPO", "dpo_live": "DPO, live π_ref", "dpo_cache": "DPO, cached log π_ref", "precompute": "precompute (once)"}
+LABEL = {"ppo": "PPO", "dpo_live": "DPO, live π_ref", "dpo_cache": "DPO, cached log π_ref",
+         "precompute": "precompute (once)"}
 # The 7B extrapolation: a GPT with Llama-2-7B's depth, width, heads and vocabulary (bias-free, tied
-# embeddings: 6.58B parameters against Llama's 6.74B, whose SwiGLU MLP has 3x11008 columns to our 2x16384).
-BIG = dict(n_layer=32, n_head=32, n_embd=4096, vocab_size=32000, seq_len=512, prompt_len=256, gpus=8,
-           weight_bytes=2, pairs=60_000, batch_pairs=64, ppo_epochs=4)
+# embeddings: 6.58B parameters against Llama's 6.74B, whose SwiGLU MLP has 3x11008 columns to our
+# 2x16384). Every sequence: prompt_len prompt tokens + the rest response, no padding.
+BIG = dict(n_layer=32, n_head=32, n_embd=4096, vocab_size=32000, seq_len=512, prompt_len=256,
+           gpus=8, weight_bytes=2, pairs=60_000, batch_pairs=64, ppo_epochs=4)
 
 # -----------------------------------------------------------------------------
 # Measuring at π_ref's size
 
 def measured_bytes(m, opt=None):
-    """Bytes m's tensors hold: parameters (a tied one once), their grads, and opt's state for them."""
+    """Bytes m's tensors hold: parameters (a tied one once), their grads, and opt's state for
+    them."""
     ps = list(m.parameters())
-    s = {"weights": sum(p.nbytes for p in ps), "grads": sum(p.grad.nbytes for p in ps if p.grad is not None),
-         "optimizer": sum(t.nbytes for p in ps for t in (opt.state[p].values() if opt else ()) if torch.is_tensor(t))}
+    s = {"weights": sum(p.nbytes for p in ps),
+         "grads": sum(p.grad.nbytes for p in ps if p.grad is not None),
+         "optimizer": sum(t.nbytes for p in ps for t in (opt.state[p].values() if opt else ())
+                          if torch.is_tensor(t))}
     return {**s, "total": sum(s.values())}
 
 
+def dpo_batches(examples, batch_size, micro_batch_size, seed, steps=None):
+    """The pair micro-batches dpo.py's training runs (length-grouped global batches cut into
+    contiguous micro-batches, all ranks' together: the same on any world size when each rank's
+    share divides into them), over `steps` steps (default one epoch). A list of example lists."""
+    lengths = [data.longest_row(e) for e in examples]
+    steps = len(examples) // batch_size if steps is None else steps
+    out = []
+    for step in range(steps):
+        g = data.global_batch(len(examples), batch_size, step, seed, lengths)
+        out += [[examples[j] for j in g[i:i + micro_batch_size]]
+                for i in range(0, batch_size, micro_batch_size)]
+    return out
+
+
+def reference_flops(c, batches, pad):
+    """Hardware FLOPs of π_ref's forward over these pair batches, as pair_logps runs it."""
+    total = 0
+    for rows in batches:
+        b = data.collate_pairs(rows, pad)
+        total += estimate_flops(c, *b["input_ids"].shape, outputs=int((b["targets"] != -100).sum()))
+    return total
+
+
 def measure_small(cfg, d, B=32):
-    """One iteration's model work of each job at π_ref's size on real pairs and prompts, with the calls the
-    loops make (model.generate, precompute.pair_logps, forward + backward, an AdamW step). Returns the
-    GPTConfig, the FLOPs counted by phase, the shapes iteration_flops needs, and per model (the bytes its
-    tensors hold, bytes per weight)."""
+    """One iteration's model work of each job at π_ref's size on real pairs and prompts, with the
+    calls the loops make (model.generate, precompute.pair_logps, forward + backward, an AdamW step).
+    DPO's batch is the first micro-batch of dpo.py's first step (length-grouped), PPO's the first B
+    prompts. Returns the GPTConfig, the FLOPs counted by phase, the shapes iteration_flops needs,
+    the units (padded positions, real tokens, examples) and per model (the bytes its tensors hold,
+    bytes per weight)."""
     tok = data.load_tokenizer(precompute.tokenizer_path(cfg.sft))
     frozen = lambda m: m.eval().requires_grad_(False)  # noqa: E731
     policy, ref = load_model(cfg.sft, d.device)[0].eval(), frozen(load_model(cfg.sft, d.device)[0])
     critic = reward.load_trunk(cfg.reward_model, "scalar", d.device)[0]
     rm = frozen(reward.load_trunk(cfg.reward_model, "scalar", d.device)[0])
-    rollout = frozen(copy.deepcopy(policy).to(torch.bfloat16 if d.device.type == "cuda" else torch.float32))  # as ppo.py
-    c = policy.config
-    pairs, _ = data.tokenize_pairs(tok, data.read_pairs(f"{cfg.task}/pairs_train.jsonl")[:B], dpo.Config.max_len,
-                                   dpo.Config.max_prompt_len)
-    b = data.collate_pairs(pairs, tok.pad)
+    rollout = frozen(copy.deepcopy(policy).to(  # as ppo.py
+        torch.bfloat16 if d.device.type == "cuda" else torch.float32))
+    c, D = policy.config, dpo.Config
+    train, _ = data.tokenize_pairs(tok, data.read_pairs(f"{cfg.task}/pairs_train.jsonl"), D.max_len,
+                                   D.max_prompt_len)
+    b = data.collate_pairs(dpo_batches(train, D.batch_size, B, D.seed, steps=1)[0], tok.pad)
     x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)  # (2B, T)
     _, f_policy = count_flops(lambda: precompute.pair_logps(policy, x, y).sum().backward())
+    prompts = [data.encode_prompt(tok, p)
+               for p in data.read_prompts(f"{cfg.task}/prompts_train.jsonl")[:B]]
     with torch.no_grad():
         _, f_ref = count_flops(lambda: precompute.pair_logps(ref, x, y))
-        prompts = [data.encode_prompt(tok, p) for p in data.read_prompts(f"{cfg.task}/prompts_train.jsonl")[:B]]
         P, g = max(map(len, prompts)), torch.Generator(device=d.device).manual_seed(0)
-        out, f_roll = count_flops(lambda: generate(rollout, prompts, c.block_size - P, tok.eos, tok.pad, generator=g))
+        out, f_roll = count_flops(lambda: generate(rollout, prompts, c.block_size - P, tok.eos,
+                                                   tok.pad, generator=g))
         t, m = out["tokens"], out["mask"]  # (B, P + N)
+        # the token each column predicts, where it is a sampled one (ppo.py's `full`)
+        tg = F.pad(t[:, 1:].masked_fill(~out["response_mask"][:, 1:], -100), (0, 1), value=-100)
         _, f_rm = count_flops(lambda: rm(t, mask=m))
-        _, f_rc = count_flops(lambda: (policy(t, mask=m), ref(t, mask=m), critic(t, mask=m)))
-    _, f_up = count_flops(lambda: [(policy(t, mask=m).sum() + critic(t, mask=m).sum()).backward()
-                               for _ in range(ppo.Config.ppo_epochs)])
+        _, f_rc = count_flops(lambda: (sequence_logprobs(policy, t, tg, m),
+                                       sequence_logprobs(ref, t, tg, m), critic(t, mask=m)))
+    _, f_up = count_flops(lambda: [(sequence_logprobs(policy, t, tg, m).sum()
+                                    + critic(t, mask=m).sum()).backward()
+                                   for _ in range(ppo.Config.ppo_epochs)])
     opts = [torch.optim.AdamW(mod.parameters()) for mod in (policy, critic)]
     for o in opts:
         o.step()  # AdamW allocates m, v and the step counts on its first step
     flops = {"ppo": {"rollout": f_roll, "reward": f_rm, "ref_critic": f_rc, "update": f_up},
-             "dpo_live": {"policy": f_policy, "reference": f_ref}, "dpo_cache": {"policy": f_policy, "reference": 0}}
-    shapes = {"ppo": dict(B=B, T=t.shape[1], P=P, epochs=ppo.Config.ppo_epochs),
-              "dpo_live": dict(B=B, T=x.shape[1]), "dpo_cache": dict(B=B, T=x.shape[1])}
+             "dpo_live": {"policy": f_policy, "reference": f_ref},
+             "dpo_cache": {"policy": f_policy, "reference": 0}}
+    K_dpo, K_ppo = int((y != -100).sum()), int(out["response_mask"].sum())
+    shapes = {"ppo": dict(B=B, T=t.shape[1], K=K_ppo, P=P, epochs=ppo.Config.ppo_epochs),
+              **{job: dict(B=B, T=x.shape[1], K=K_dpo) for job in ("dpo_live", "dpo_cache")}}
+    dpo_units = dict(positions=x.numel(), tokens=int((x != tok.pad).sum()), examples=B)
+    units = {"ppo": dict(positions=t.numel(), tokens=int(m.sum()), examples=B),
+             "dpo_live": dpo_units, "dpo_cache": dpo_units}
     models = {"policy": (policy, opts[0]), "critic": (critic, opts[1]), "reference": (ref, None),
               "reward model": (rm, None), "rollout copy": (rollout, None)}
-    return c, flops, shapes, {k: (measured_bytes(mod, o), next(mod.parameters()).element_size())
-                              for k, (mod, o) in models.items()}
+    held = {k: (measured_bytes(mod, o), next(mod.parameters()).element_size())
+            for k, (mod, o) in models.items()}
+    return c, flops, shapes, units, held
+
+
+def precompute_payback(cfg, d, cache_dir):
+    """The precompute against what it replaces, in hardware FLOPs counted on the real batches: its
+    own pass (read from the cache files the timed run wrote) against the live π_ref forwards of one
+    epoch of dpo.py's training steps (at the default batch sizes) and of one evaluation of the val
+    pairs (dpo.evaluate_pairs' micro-batches, in order of length)."""
+    tok = data.load_tokenizer(precompute.tokenizer_path(cfg.sft))
+    c, D = load_model(cfg.sft)[0].config, dpo.Config
+    res = {}
+    for split in ("train", "val"):
+        with safe_open(os.path.join(cache_dir, f"{split}.safetensors"), "pt") as f:
+            res[f"precompute_{split}"] = json.loads(f.metadata()["cost"])["flops"]
+    pairs = lambda s: data.tokenize_pairs(  # noqa: E731
+        tok, data.read_pairs(f"{cfg.task}/pairs_{s}.jsonl"), D.max_len, D.max_prompt_len)[0]
+    train, val = pairs("train"), sorted(pairs("val"), key=data.longest_row)
+    mb = min(D.micro_batch_size, D.batch_size // d.world)  # pairs per forward, as split_batch
+    epoch = len(train) // D.batch_size
+    one_epoch = dpo_batches(train, D.batch_size, mb, D.seed)
+    one_eval = [val[i:i + D.micro_batch_size] for i in range(0, len(val), D.micro_batch_size)]
+    res.update(epoch_steps=epoch, eval_every=D.eval_every,
+               live_per_step=reference_flops(c, one_epoch, tok.pad) / epoch,
+               live_per_eval=reference_flops(c, one_eval, tok.pad))
+    res.update(steps=res["precompute_train"] / res["live_per_step"],
+               evals=res["precompute_val"] / res["live_per_eval"])
+    return res
 
 
 def timed_runs(cfg, d, say):
@@ -165,18 +240,22 @@ def timed_runs(cfg, d, say):
             if name != "precompute" and d.is_main:  # metrics.jsonl is rank 0's
                 with open(f"{root}/{name}/metrics.jsonl") as f:
                     steps = [json.loads(line) for line in f][1:]
-                med = {k: statistics.median(s[k] for s in steps) for k in steps[0] if k.startswith(("time/", "tokens_"))}
+                med = {k: statistics.median(s[k] for s in steps) for k in steps[0]
+                       if k.startswith(("time/", "tokens_", "mfu"))}
                 whole = ("time/step", "time/iteration")  # dpo.py's and ppo.py's totals; other time/ keys are phases
                 row["phases"] = {k[5:].removesuffix("_ms"): v for k, v in med.items() if k.startswith("time/") and k not in whole}
-                row.update(ms=next((med[k] for k in whole if k in med), sum(row["phases"].values())),
-                           tokens_per_sec=med["tokens_per_sec"])
+                row.update(ms=next((med[k] for k in whole if k in med),
+                                   sum(row["phases"].values())),
+                           tokens_per_sec=med["tokens_per_sec"], mfu=med["mfu"],
+                           mfu_hardware=med["mfu_hardware"])
     return rounds
 
 
 def costs(cfg, d, say):
-    """Everything at π_ref's size, analytic beside measured, and the 7B extrapolation: costs.json's dict."""
+    """Everything at π_ref's size, analytic beside measured, and the 7B extrapolation: costs.json's
+    dict."""
     say("[costs] counting the FLOPs and bytes of one iteration of each job at π_ref's size")
-    c, flops, shapes, models = measure_small(cfg, d)
+    c, flops, shapes, units, models = measure_small(cfg, d)
     n_pairs = sum(len(data.read_pairs(f"{cfg.task}/pairs_{s}.jsonl")) for s in ("train", "val"))
     rounds = timed_runs(cfg, d, say)
     if not d.is_main:
@@ -184,107 +263,169 @@ def costs(cfg, d, say):
     res = {"model": asdict(c), "params": n_params(c)[0], "device": str(d.device), "world": d.world,
            "threads": torch.get_num_threads(), "n_pairs": n_pairs, "jobs": {}, "rounds": rounds}
     for job, held in JOBS.items():
-        mods = {k: {"trainable": tr, "analytic": state_bytes(replace(c, head=h), tr, w=models[k][1]), "measured": models[k][0]}
+        mods = {k: {"trainable": tr, "measured": models[k][0],
+                    "analytic": state_bytes(replace(c, head=h), tr, w=models[k][1])}
                 for k, h, tr in held}
         peak = [r[job]["peak_bytes"] for r in rounds if "peak_bytes" in r[job]]
-        res["jobs"][job] = dict(models=mods, cache_bytes=8 * n_pairs if job == "dpo_cache" else 0,  # 2 fp32 a pair
-                                flops_analytic=iteration_flops(c, job, **shapes[job]), flops_counted=flops[job],
-                                tokens=shapes[job]["B"] * shapes[job]["T"] * (1 if job == "ppo" else 2),
-                                peak_bytes=max(peak, default=None),
-                                **{f"bytes_{k}": {s: sum(m[k][s] for m in mods.values()) for s in mods["policy"][k]}
-                                   for k in ("analytic", "measured")})
+        res["jobs"][job] = dict(
+            models=mods, cache_bytes=8 * n_pairs if job == "dpo_cache" else 0,  # 2 fp32 a pair
+            flops_analytic=iteration_flops(c, job, **shapes[job]), flops_counted=flops[job],
+            units=units[job], peak_bytes=max(peak, default=None),
+            **{f"bytes_{k}": {s: sum(m[k][s] for m in mods.values()) for s in mods["policy"][k]}
+               for k in ("analytic", "measured")})
     # wall time: medians over the rounds, of each job and of the ratios taken within each round
     med = lambda f: statistics.median(f(r) for r in rounds)  # noqa: E731
     for job in LABEL:
         res["jobs"].setdefault(job, {})["time"] = dict(
-            ms=med(lambda r: r[job]["ms"]), per_dpo_cached=med(lambda r: r[job]["ms"] / r["dpo_cache"]["ms"]),
-            tokens_per_sec=med(lambda r: r[job].get("tokens_per_sec", 0)),
-            phases={k: statistics.median(r[job]["phases"][k] for r in rounds) for k in rounds[0][job]["phases"]})
-    res["payback_steps"] = med(lambda r: r["precompute"]["ms"] / max(r["dpo_live"]["ms"] - r["dpo_cache"]["ms"], 1e-9))
-    res["payback_steps_flops"] = n_pairs / dpo.Config.batch_size  # the live reference's forwards over one pass
+            ms=med(lambda r: r[job]["ms"]),
+            per_dpo_cached=med(lambda r: r[job]["ms"] / r["dpo_cache"]["ms"]),
+            **{k: med(lambda r: r[job].get(k, 0))
+               for k in ("tokens_per_sec", "mfu", "mfu_hardware")},
+            phases={k: statistics.median(r[job]["phases"][k] for r in rounds)
+                    for k in rounds[0][job]["phases"]})
+    res["payback_steps"] = med(lambda r: r["precompute"]["ms"]
+                               / max(r["dpo_live"]["ms"] - r["dpo_cache"]["ms"], 1e-9))
+    res["payback_flops"] = precompute_payback(cfg, d, f"{cfg.out_dir}/timing/ref_logps")
     return {**res, "at_7b": at_7b()}
 
 
 def at_7b(a=BIG):
-    """The same analytic functions at a Llama-2-7B-sized GPT: bytes per GPU under DDP, ZeRO-1 and FSDP,
-    FLOPs per token, and the steps after which the precompute has paid for itself."""
-    big = GPTConfig(block_size=a["seq_len"], vocab_size=a["vocab_size"], n_layer=a["n_layer"], n_head=a["n_head"],
-                    n_embd=a["n_embd"], bias=False)
+    """The same analytic functions at a Llama-2-7B-sized GPT: bytes per GPU under DDP, ZeRO-1 and
+    FSDP, FLOPs per token, and the steps after which the precompute has paid for itself."""
+    big = GPTConfig(block_size=a["seq_len"], vocab_size=a["vocab_size"], n_layer=a["n_layer"],
+                    n_head=a["n_head"], n_embd=a["n_embd"], bias=False)
     res = {"assumptions": a, "params": n_params(big)[0], "jobs": {}}
+    T, P = a["seq_len"], a["prompt_len"]
     for job, held in JOBS.items():
-        fl = iteration_flops(big, job, 1, a["seq_len"], a["prompt_len"] if job == "ppo" else 0, a["ppo_epochs"])
-        gpu = {sh: sum(state_bytes(replace(big, head=h), tr, a["weight_bytes"], a["gpus"], sh)["total"] for _, h, tr in held)
+        rows = 1 if job == "ppo" else 2  # one rollout, or one pair's [chosen; rejected]
+        fl = iteration_flops(big, job, 1, T, rows * (T - P), P, a["ppo_epochs"])
+        gpu = {sh: sum(state_bytes(replace(big, head=h), tr, a["weight_bytes"], a["gpus"],
+                                   sh)["total"] for _, h, tr in held)
                for sh in ("ddp", "zero1", "fsdp")}
         res["jobs"][job] = {"flops_by_phase": fl, "bytes_per_gpu": gpu,
-                            "flops_per_token": sum(fl.values()) / (a["seq_len"] * (1 if job == "ppo" else 2))}
-    saved = iteration_flops(big, "dpo_live", a["batch_pairs"], a["seq_len"])["reference"]  # what the cache saves a step
-    return {**res, "payback_steps": estimate_flops(big, 2 * a["pairs"], a["seq_len"]) / saved}
+                            "flops_per_token": sum(fl.values()) / (rows * T)}
+    # what the cache saves a step, against one forward of π_ref over every pair
+    saved = iteration_flops(big, "dpo_live", a["batch_pairs"], T, 2 * a["batch_pairs"] * (T - P))
+    once = estimate_flops(big, 2 * a["pairs"], T, outputs=2 * a["pairs"] * (T - P))
+    return {**res, "payback_steps": once / saved["reference"]}
 
 
 def table(head, rows):
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(map(str, r)) + " |"
-                                                                                  for r in rows])
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                     + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def size(b):
     return f"{b / 2**30:,.1f} GiB" if b >= 2**30 else f"{b / 2**20:,.2f} MiB"
 
 
+UNITS = (("positions", "padded position"), ("tokens", "real token"), ("examples", "example"))
+
+
 def costs_markdown(res, cfg):
     ok = lambda good: " ✓" if good else " ✗"  # noqa: E731
-    c, J, a, B = GPTConfig(**res["model"]), res["jobs"], res["at_7b"]["assumptions"], res["at_7b"]["jobs"]
+    c, J, a = GPTConfig(**res["model"]), res["jobs"], res["at_7b"]["assumptions"]
+    B = res["at_7b"]["jobs"]
     held, flop, wall = [], [], []
     for job in JOBS:
         r, an, me = J[job], J[job]["bytes_analytic"], J[job]["bytes_measured"]
-        held.append([LABEL[job], ", ".join(f"{k} ({'trains' if m['trainable'] else 'frozen'})" for k, m in r["models"].items()),
+        held.append([LABEL[job], ", ".join(f"{k} ({'trains' if m['trainable'] else 'frozen'})"
+                                           for k, m in r["models"].items()),
                      *map(size, an.values()), size(me["total"]) + ok(me == an),
                      size(r["cache_bytes"]) if r["cache_bytes"] else "–",
                      size(r["peak_bytes"]) if r["peak_bytes"] else "not measured (CPU)"])
-        fl, n, cnt = r["flops_analytic"], r["tokens"], r["flops_counted"]
-        flop += [[LABEL[job], k, f"{v / 1e6:,.1f}", f"{cnt[k] / 1e6:,.1f}" + ok(v == cnt[k]), f"{v / n / 1e3:,.1f}"]
-                 for k, v in fl.items()]
+        fl, u, cnt = r["flops_analytic"], r["units"], r["flops_counted"]
+        per = lambda v: [f"{v / u['positions'] / 1e3:,.1f}",  # noqa: E731
+                         f"{v / u['tokens'] / 1e3:,.1f}", f"{v / u['examples'] / 1e6:,.2f}"]
+        flop += [[LABEL[job], k, f"{v / 1e6:,.1f}", f"{cnt[k] / 1e6:,.1f}" + ok(v == cnt[k]),
+                  *per(v)] for k, v in fl.items()]
         tot = sum(fl.values())
-        flop.append([f"**{LABEL[job]}**", "**total**", f"**{tot / 1e6:,.1f}**", "", f"**{tot / n / 1e3:,.1f}**"])
-    per = {"ppo": (ppo.Config.rollout_batch, "rollouts"), "dpo_live": (dpo.Config.batch_size, "pairs"),
-           "dpo_cache": (dpo.Config.batch_size, "pairs"), "precompute": (res["n_pairs"], "pairs (train + val)")}
-    for job, (n, unit) in per.items():
+        flop.append([f"**{LABEL[job]}**", "**total**", f"**{tot / 1e6:,.1f}**", "",
+                     *(f"**{v}**" for v in per(tot))])
+    per_ex = {"ppo": (ppo.Config.rollout_batch, "rollouts"),
+              "dpo_live": (dpo.Config.batch_size, "pairs"),
+              "dpo_cache": (dpo.Config.batch_size, "pairs"),
+              "precompute": (res["n_pairs"], "pairs (train + val)")}
+    for job, (n, unit) in per_ex.items():
         t = J[job]["time"]
         wall.append([LABEL[job], f"{t['ms']:,.0f}", f"{n} {unit}", f"{t['ms'] / n:.2f}",
                      f"{t['tokens_per_sec']:,.0f}" if t["tokens_per_sec"] else "–",
-                     f"{t['per_dpo_cached']:.1f}×" if job != "precompute" else f"= {t['per_dpo_cached']:.0f} cached steps",
-                     " · ".join(f"{k} {v:,.0f}" for k, v in t["phases"].items()) or "(the whole run)"])
-    big = [[LABEL[job], len(JOBS[job]), *(size(r["bytes_per_gpu"][s]) for s in ("ddp", "zero1", "fsdp")),
-            f"{r['flops_per_token'] / 1e9:.1f}", f"{r['flops_per_token'] / B['dpo_cache']['flops_per_token']:.1f}×"]
+                     f"{t['mfu']:.1%} / {t['mfu_hardware']:.1%}" if t["mfu"] else "–",
+                     f"{t['per_dpo_cached']:.1f}×" if job != "precompute"
+                     else f"= {t['per_dpo_cached']:.0f} cached steps",
+                     " · ".join(f"{k} {v:,.0f}" for k, v in t["phases"].items())
+                     or "(the whole run)"])
+    total = lambda job, k: sum(J[job]["flops_analytic"].values()) / J[job]["units"][k]  # noqa: E731
+    ratios = ", ".join(f"{total('ppo', k) / total('dpo_cache', k):.1f}× per {name}"
+                       for k, name in UNITS)
+    units = "; ".join(f"{LABEL[job]}: {u['examples']} examples, {u['positions']:,} positions, "
+                      f"{u['tokens']:,} of them real tokens"
+                      for job, u in ((j, J[j]["units"]) for j in ("ppo", "dpo_cache")))
+    pb, E = res["payback_flops"], res["payback_flops"]["epoch_steps"]
+    big = [[LABEL[job], len(JOBS[job]),
+            *(size(r["bytes_per_gpu"][s]) for s in ("ddp", "zero1", "fsdp")),
+            f"{r['flops_per_token'] / 1e9:.1f}",
+            f"{r['flops_per_token'] / B['dpo_cache']['flops_per_token']:.1f}×"]
            for job, r in B.items()]
+    gflop = lambda k: f"{pb[k] / 1e9:,.2f} GFLOP"  # noqa: E731
     return "\n".join([
-        f"## Costs at π_ref's size: {c.n_layer} layers × {c.n_embd} wide, vocabulary {c.vocab_size}, block {c.block_size} "
-        f"({res['params'] / 1e6:.2f}M parameters), {res['world']} × {res['device']}, {res['threads']} threads", "",
-        "### What the training job holds (per rank; analytic, ✓ = the tensors' nbytes agree exactly)", "",
-        table(["job", "models resident", "weights", "grads", "AdamW state", "total", "measured", "ref cache", "peak memory"],
-              held), "",
-        "Measured: the parameters' nbytes (a tied weight once), their grads after a backward, AdamW's state after a step. "
-        "Peak memory: torch.cuda.max_memory_allocated over a timed run, on a GPU; the CPU keeps no allocator statistics, "
-        "so there only the model state is known (activations come on top).", "",
-        "### What a token costs (FLOPs of one iteration at real shapes; ✓ = torch's FlopCounterMode counts the same)", "",
-        table(["job", "phase", "analytic MFLOP", "counted MFLOP", "kFLOP per token"], flop), "",
-        "Per token: per position of the iteration's sequences, padding included (DPO's (2B, T) pair rows, PPO's (B, T) "
-        "rollouts). PPO's rollout samples with the KV cache; its update is ppo_epochs passes through policy and critic.", "",
-        f"### Wall time of the real loops (median of {cfg.rounds} interleaved rounds, {cfg.time_steps - 1} timed steps each)", "",
-        table(["job", "ms per iteration", "examples", "ms per example", "tokens/s", "× DPO cached", "phases (ms)"], wall), "",
-        f"The precompute pays for itself after {res['payback_steps']:.0f} DPO steps of saved reference forwards (measured); "
-        f"by FLOPs after {res['payback_steps_flops']:.0f}, one pass over the {res['n_pairs']} pairs at "
-        f"{dpo.Config.batch_size} a step.",
+        f"## Costs at π_ref's size: {c.n_layer} layers × {c.n_embd} wide, vocabulary "
+        f"{c.vocab_size}, block {c.block_size} ({res['params'] / 1e6:.2f}M parameters), "
+        f"{res['world']} × {res['device']}, {res['threads']} threads", "",
+        "### What the training job holds (per rank; analytic, ✓ = the tensors' nbytes agree "
+        "exactly)", "",
+        table(["job", "models resident", "weights", "grads", "AdamW state", "total", "measured",
+               "ref cache", "peak memory"], held), "",
+        "Measured: the parameters' nbytes (a tied weight once), their grads after a backward, "
+        "AdamW's state after a step. Peak memory: torch.cuda.max_memory_allocated over a timed "
+        "run, on a GPU; the CPU keeps no allocator statistics, so there only the model state is "
+        "known (activations come on top).", "",
+        "### What a token costs (FLOPs of one iteration at real shapes; ✓ = torch's "
+        "FlopCounterMode counts the same, its CPU attention kernels mapped to torch's own "
+        "formulas by model.count_flops)", "",
+        table(["job", "phase", "analytic MFLOP", "counted MFLOP", "kFLOP per padded position",
+               "kFLOP per real token", "MFLOP per example"], flop), "",
+        "Three units, each stated: per padded position of the iteration's batch (DPO's (2B, T) "
+        "pair rows, PPO's (B, T) rollouts, padding included), per real token (prompt and "
+        "response, no padding), per example (a pair for DPO, a rollout for PPO). " + units + ". "
+        "DPO's batch is the first micro-batch dpo.py runs (grouped by length); the LM head runs "
+        "only where a target exists. PPO's rollout samples with the KV cache; its update is "
+        f"ppo_epochs passes through policy and critic. PPO against cached DPO: {ratios}.", "",
+        f"### Wall time of the real loops (median of {cfg.rounds} interleaved rounds, "
+        f"{cfg.time_steps - 1} timed steps each)", "",
+        table(["job", "ms per iteration", "examples", "ms per example", "real tokens/s",
+               "MFU / HFU", "× DPO cached", "phases (ms)"], wall), "",
+        "MFU: the FLOPs the real tokens need (6N per trained token, 2N per forward-only one, "
+        "causal attention, the LM head only where a target exists; model.model_flops) per "
+        "second, over the device's matmul peak measured at the model's own shapes "
+        "(plumbing.measure_peak_flops). HFU: the FLOPs actually executed (padding, full "
+        "attention, recomputed scores included; model.estimate_flops) over the same peak. "
+        "MFU <= HFU <= 1.", "",
+        f"The precompute ran π_ref once over the pairs: {gflop('precompute_train')} for the "
+        f"train pairs and {gflop('precompute_val')} for the val pairs, counted on its real "
+        f"batches. A live reference runs {gflop('live_per_step')} per step on the train pairs "
+        f"(the mean over an epoch of dpo.py's batches, {E} steps) and {gflop('live_per_eval')} "
+        f"per evaluation of the val pairs (every {pb['eval_every']} steps and at the end). By "
+        f"FLOPs the train cache pays back after {pb['steps']:.0f} steps "
+        f"({pb['steps'] / E:.2f} epochs) and the val cache after {pb['evals']:.1f} "
+        "evaluations: a run of one epoch or less saves memory (π_ref off the job), not FLOPs; "
+        "each later epoch saves π_ref's forward of every step. In wall time here it pays back "
+        f"after {res['payback_steps']:.0f} steps of saved reference forwards (measured).",
         "", f"## The same functions at 7B on {a['gpus']} GPUs", "",
-        f"A GPT with Llama-2-7B's shape: {a['n_layer']} layers × {a['n_embd']} wide, {a['n_head']} heads, vocabulary "
-        f"{a['vocab_size']}, no biases, tied embeddings ({res['at_7b']['params'] / 1e9:.2f}B parameters). Weights in bf16; a "
-        f"trained model adds bf16 grads, an fp32 master copy and Adam's m and v (16 bytes per parameter); PPO's rollout copy "
-        f"is bf16. Sequences of {a['seq_len']} tokens (PPO: {a['prompt_len']} prompt + {a['seq_len'] - a['prompt_len']} "
-        f"response), {a['ppo_epochs']} PPO epochs, DPO batches of {a['batch_pairs']} pairs from {a['pairs']:,}. Model state "
-        "only: activations, PPO's KV cache and communication buffers come on top.", "",
-        table(["job", "models", "DDP per GPU", "ZeRO-1 per GPU", "FSDP per GPU", "GFLOP per token", "× DPO cached"], big), "",
-        f"The precompute (one forward of π_ref over every pair) pays for itself after {res['at_7b']['payback_steps']:.0f} "
-        f"steps: the reference forwards a live job runs in one epoch. Then a step costs "
-        f"{B['dpo_cache']['flops_per_token'] / B['dpo_live']['flops_per_token']:.0%} of a live one's FLOPs, and π_ref's "
-        f"{size(2 * res['at_7b']['params'])} of bf16 weights are off every GPU."])
-
-
+        f"A GPT with Llama-2-7B's shape: {a['n_layer']} layers × {a['n_embd']} wide, "
+        f"{a['n_head']} heads, vocabulary {a['vocab_size']}, no biases, tied embeddings "
+        f"({res['at_7b']['params'] / 1e9:.2f}B parameters). Weights in bf16; a trained model "
+        "adds bf16 grads, an fp32 master copy and Adam's m and v (16 bytes per parameter); PPO's "
+        f"rollout copy is bf16. Sequences of {a['seq_len']} tokens, {a['prompt_len']} prompt + "
+        f"{a['seq_len'] - a['prompt_len']} response, no padding (a position is a real token), "
+        f"the LM head on the response; {a['ppo_epochs']} PPO epochs, DPO batches of "
+        f"{a['batch_pairs']} pairs from {a['pairs']:,}. Model state only: activations, PPO's KV "
+        "cache and communication buffers come on top.", "",
+        table(["job", "models", "DDP per GPU", "ZeRO-1 per GPU", "FSDP per GPU",
+               "GFLOP per token", "× DPO cached"], big), "",
+        f"The precompute (one forward of π_ref over every pair) pays for itself after "
+        f"{res['at_7b']['payback_steps']:.0f} steps: exactly the reference forwards a live job "
+        "runs in one epoch, so a run of one epoch or less saves memory, not FLOPs. From then on "
+        f"a step costs {B['dpo_cache']['flops_per_token'] / B['dpo_live']['flops_per_token']:.0%} "
+        f"of a live one's FLOPs, and π_ref's {size(2 * res['at_7b']['params'])} of bf16 weights "
+        "are off every GPU all along."])

@@ -34,7 +34,8 @@ import data
 import precompute
 import sft
 from evaluate import evaluate_policy, print_samples
-from model import anatomy, estimate_flops, format_anatomy, load_model, save_model
+from model import (anatomy, estimate_flops, format_anatomy, load_model, matmul_shapes, model_flops,
+                   save_model)
 from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check, clock,
                       init_distributed, lap, lr_at, measure_peak_flops, parse_config, reduce_sums,
                       require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
@@ -111,9 +112,11 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta, loss="sigmo
 @torch.no_grad()
 def evaluate_pairs(model, ref_model, ref_logps, examples, cfg, d, pad):
     """Held-out DPO loss and reward accuracy over every val pair, ranks taking every world-th
-    micro-batch. log π_ref comes from the cache (ref_logps, (2, N)), or from ref_model (live)."""
+    micro-batch. log π_ref comes from the cache (ref_logps, (2, N)), or from ref_model (live).
+    In order of length, so each micro-batch is padded only to its own longest row."""
     loss = correct = n = 0.0
     mb = cfg.micro_batch_size
+    examples = sorted(examples, key=data.longest_row)
     for i in range(d.rank * mb, len(examples), d.world * mb):
         b = data.collate_pairs(examples[i:i + mb], pad)
         x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
@@ -154,6 +157,7 @@ def main(cfg):
               f"{stats['unusable']} unusable), {len(val)} val pairs")
     check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, "
           f"fewer than --batch_size {cfg.batch_size}")
+    lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
     ref_train = ref_val = None
     if cfg.ref == "cache":  # the reference's only trace in this job: two fp32 numbers per pair
         for split in ("train", "val"):
@@ -198,7 +202,7 @@ def main(cfg):
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     mb = cfg.batch_size // d.world // accum  # pairs per forward on this rank
-    peak = measure_peak_flops(d.device)
+    peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * cfg.max_len))
     log.print(f"{cfg.loss} loss, beta {cfg.beta} | reference: {cfg.ref} | batch "
               f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {mb} | device "
               f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")
@@ -213,7 +217,9 @@ def main(cfg):
             g["lr"] = lr
 
         # -- batch: this rank's share of the step's global batch, in micro-batches of pairs
-        mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed)
+        # grouped by length, each padded to its own longest row (data.global_batch says why that
+        # does not bias training)
+        mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
         mine = data.rank_slice(mine, d.rank, d.world)
         batches = [data.collate_pairs([train[i] for i in mine[m * mb:(m + 1) * mb]], tok.pad)
                    for m in range(accum)]  # rows [chosen; rejected]: (2·mb, T) each
@@ -221,7 +227,9 @@ def main(cfg):
 
         # -- reference log-probs: a lookup in precompute.py's cache, no model and no FLOPs
         # (--ref live: π_ref's forward, every step, which is what the cache removes)
-        ref_lp, flops = [], 0
+        # FLOPs: those executed ("hardware", padding included) and those the real tokens need
+        # ("model", model.model_flops); MFU and HFU are these per second over the measured peak
+        ref_lp, flops = [], {"model": 0.0, "hardware": 0.0}
         for b in batches:
             if ref_model is None:
                 ref_lp.append(ref_train[:, b["index"]].to(d.device))  # (2, mb)
@@ -229,7 +237,9 @@ def main(cfg):
             x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
             with torch.no_grad(), autocast(d.device):  # frozen: no activations kept
                 ref_lp.append(precompute.pair_logps(ref_model, x, y).view(2, -1))
-            flops += estimate_flops(ref_model.config, *x.shape)
+            K = int((y != -100).sum())  # positions with a target: the head runs only there
+            flops["hardware"] += estimate_flops(ref_model.config, *x.shape, outputs=K)
+            flops["model"] += model_flops(ref_model.config, (x != tok.pad).sum(1), K)
         lap(times, "reference", d)
 
         sums = dict.fromkeys(["loss", "r_chosen", "r_rejected", "correct", "logp_chosen",
@@ -248,7 +258,10 @@ def main(cfg):
                                             cfg.label_smoothing)
                 (losses.sum() * d.world / cfg.batch_size).backward()
                 lap(times, "loss", d)  # the backward included
-            flops += estimate_flops(raw_model.config, *x.shape, backward=True)
+            K = int((y != -100).sum())
+            flops["hardware"] += estimate_flops(raw_model.config, *x.shape, backward=True,
+                                                outputs=K)
+            flops["model"] += model_flops(raw_model.config, (x != tok.pad).sum(1), K, backward=True)
             for k, v in (("loss", losses.detach()), ("r_chosen", r_c), ("r_rejected", r_r),
                          ("correct", (r_c > r_r).float()), ("logp_chosen", pi_c.detach()),
                          ("logp_rejected", pi_r.detach()), ("tokens", (x != tok.pad).float())):
@@ -256,7 +269,8 @@ def main(cfg):
 
         # -- update
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        s = reduce_sums(d, **sums)  # metrics: means over the global batch, as the loss
+        # metrics: means over the global batch, as the loss; FLOPs of all ranks
+        s = reduce_sums(d, **sums, flops_model=flops["model"], flops_hardware=flops["hardware"])
         stop_if_not_finite({"loss": s["loss"], "grad_norm": grad_norm}, f"step {step + 1}",
                            ckpt_dir, "Try a lower --lr or --beta.")
         opt.step()
@@ -271,7 +285,9 @@ def main(cfg):
                    "rewards/margins": (s["r_chosen"] - s["r_rejected"]) / n,
                    "logps/chosen": s["logp_chosen"] / n, "logps/rejected": s["logp_rejected"] / n,
                    "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": s["tokens"] / dt,
-                   "mfu": flops / dt / peak, "time/step": 1000 * dt, **times}
+                   "mfu": s["flops_model"] / (d.world * peak * dt),
+                   "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
+                   "time/step": 1000 * dt, **times}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_loss"], metrics["val_accuracy"] = evaluate_pairs(
                 raw_model, ref_model, ref_val, val, cfg, d, tok.pad)

@@ -14,9 +14,10 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 import data
-from model import generate, load_model, token_logprobs
+from model import generate, load_model, sequence_logprobs
 from plumbing import all_reduce_sum, atomic_write_json, init_distributed, parse_config, teardown
 
 
@@ -24,9 +25,9 @@ from plumbing import all_reduce_sum, atomic_write_json, init_distributed, parse_
 def completion_logps(model, out):
     """Summed log-probs (B,) of generate()'s response tokens under `model`: the logits at column t−1
     predict the token at column t, and only response tokens count."""
-    logits = model(out["tokens"], mask=out["mask"])
     targets = out["tokens"][:, 1:].masked_fill(~out["response_mask"][:, 1:], -100)
-    return token_logprobs(logits[:, :-1], targets).sum(-1)
+    targets = F.pad(targets, (0, 1), value=-100)  # (B, L): the last column predicts nothing
+    return sequence_logprobs(model, out["tokens"], targets, mask=out["mask"]).sum(-1)
 
 
 @torch.no_grad()

@@ -134,11 +134,13 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx, mask=None, pos=None, kv_cache=None):
+    def forward(self, idx, mask=None, pos=None, kv_cache=None, at=None):
         """idx (B,T) long. mask (B,S) bool, True on real tokens; S = T, or (tokens already in the
         cache) + T. pos (B,T) long position ids; default: from the mask (real tokens before, so left
         padding does not shift positions), or 0..T-1 without one. kv_cache: from new_kv_cache; needs
-        a mask. Returns logits (B,T,V) for head "lm", values (B,T) for head "scalar"."""
+        a mask. Returns logits (B,T,V) for head "lm", values (B,T) for head "scalar". With at (B,T)
+        bool,
+        only the K positions where it is True, in row-major order: (K,V) or (K,)."""
         B, T = idx.shape
         assert kv_cache is None or mask is not None, \
             "a KV cache needs the mask of everything it holds"
@@ -161,21 +163,41 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for n, block in enumerate(self.transformer.h):
             x = block(x, attn_mask, None if kv_cache is None else kv_cache[n], start)
+        if at is not None:  # the head only where an output is wanted (a target exists): an LM
+            x = x[at]       # head costs 2·C·V per position, and (B,T,V) logits the peak memory
         x = self.transformer.ln_f(x)
         return self.lm_head(x) if self.config.head == "lm" else self.score(x).squeeze(-1)
 
 
 def token_logprobs(logits, targets, temperature=1.0):
-    """THE per-token log-prob used by every stage, so cached and live numbers agree.
-    logits (B,T,V), targets (B,T) long, -100 = ignore. Returns (B,T): log softmax(logits /
-    temperature) at the targets, in fp32 (fp64 stays fp64, for gradient checks), exactly 0.0 where
-    targets == -100. A response's log-prob is token_logprobs(...).sum(-1)."""
+    """The per-token log-prob of given logits: logits (...,V), targets (...) long, -100 = ignore.
+    Returns (...): log softmax(logits / temperature) at the targets, in fp32 (fp64 stays fp64, for
+    gradient checks), exactly 0.0 where targets == -100. Stages call it via sequence_logprobs."""
     # bf16 log-softmax loses ~3 significant digits, enough to bias the PPO ratio and DPO's margins
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     logp = F.log_softmax(logits / temperature, dim=-1)
     keep = targets != -100
     lp = logp.gather(-1, torch.where(keep, targets, 0).unsqueeze(-1)).squeeze(-1)
     return torch.where(keep, lp, 0.0)
+
+
+def sequence_logprobs(model, idx, targets, mask=None, temperature=1.0, entropy=False):
+    """THE per-token log-probs of a batch, used by every stage (training, precompute, evaluation,
+    PPO's trainer and reference), so cached and live numbers agree. idx (B,T) long; targets (B,T)
+    long, the token each position predicts, -100 where none is scored (prompt, padding, last
+    column); mask as in GPT.forward. Returns (B,T), 0.0 where targets == -100; a response's
+    log-prob is its row's sum. entropy=True: also the entropy (B,T) of softmax(logits /
+    temperature) there, in nats (PPO logs it). The LM head and the log-softmax run only at the K
+    positions with a target: (K,V) logits, never (B,T,V). The result equals
+    token_logprobs(model(idx), targets) up to fp rounding."""
+    keep = targets != -100
+    logits = model(idx, mask=mask, at=keep)  # (K,V)
+    lp = token_logprobs(logits, targets[keep], temperature)  # (K,)
+    spread = lambda v: v.new_zeros(keep.shape).masked_scatter(keep, v)  # noqa: E731  (K,) -> (B,T)
+    if not entropy:
+        return spread(lp)
+    logq = F.log_softmax(logits.to(lp.dtype) / temperature, dim=-1)
+    return spread(lp), spread(-(logq.exp() * logq).sum(-1))
 
 
 def new_kv_cache(model, B, max_len, device, dtype):
@@ -221,8 +243,9 @@ def generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, to
     was_training = model.training
     model.eval()
     try:
-        # prefill: the whole prompt at once
-        logits = model(tokens[:, :P], mask=mask[:, :P], kv_cache=cache)[:, -1]
+        # prefill: the whole prompt at once, the head at its last column only (which predicts)
+        last = (torch.arange(P, device=p0.device) == P - 1).expand(B, P)
+        logits = model(tokens[:, :P], mask=mask[:, :P], kv_cache=cache, at=last)  # (B,V)
         t = P
         while t < L and not done.all():
             x = logits.float() / temperature
@@ -246,22 +269,58 @@ def generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, to
                 logprobs=logprobs[:, :t])
 
 
-def estimate_flops(config, B, T, backward=False):
+def estimate_flops(config, B, T, backward=False, outputs=None):
     """Analytic FLOPs of one forward over a (B,T) batch, or of forward + backward (a training step)
     with backward=True, counted as torch.utils.flop_counter.FlopCounterMode counts them: a matmul is
     2*m*n*k and its backward 2x that; fused scaled_dot_product_attention is 2 bmm forward (q k^T,
-    att v) and 5 bmm backward (scores recomputed), over the full T x T (no causal discount); nothing
-    else counts. Found with torch 2.13: on CPU, SDPA runs
-    _scaled_dot_product_flash_attention_for_cpu, which FlopCounterMode does not know (it records 0
-    for attention); CUDA's flash/efficient kernels are counted as here. With dropout > 0 in
-    training, SDPA falls back to plain bmms (backward 4 bmm, not 5)."""
+    att v) and 5 bmm backward (scores recomputed), over the full T x T (no causal discount);
+    nothing else counts. outputs: positions the head runs at (GPT.forward's `at`); default all B*T.
+    Found with torch 2.13: on CPU, SDPA runs _scaled_dot_product_flash_attention_for_cpu, which
+    FlopCounterMode does not know (it records 0 for attention); CUDA's flash/efficient kernels are
+    counted as here. With dropout > 0 in training, SDPA falls back to plain bmms (backward 4 bmm,
+    not 5). These are the hardware FLOPs: padding, and the recomputed scores, included."""
     C, L, N = config.n_embd, config.n_layer, B * T
     head = config.vocab_size if config.head == "lm" else 1
-    # c_attn, attn c_proj, c_fc, mlp c_proj; head
-    mm = L * 2 * N * C * (3 * C + C + 4 * C + 4 * C) + 2 * N * C * head
+    K = N if outputs is None else outputs
+    # c_attn, attn c_proj, c_fc, mlp c_proj; the head
+    mm = L * 2 * N * C * (3 * C + C + 4 * C + 4 * C) + 2 * K * C * head
     attn = L * 2 * (2 * B * T * T * C)  # per layer 2 bmm of 2*T*T*hd for each of B*H heads
     # backward: +2x matmuls, +2.5x attention
     return mm + attn if not backward else 3 * mm + (7 * attn) // 2
+
+
+def generate_flops(config, B, P, N):
+    """Hardware FLOPs of generate() writing N columns after a P-token prompt: a prefill forward
+    over (B, P) with the head at its last column only, then N - 1 one-token forwards (the last
+    sampled token is never fed back), the one at column S attending to S keys."""
+    attn = lambda T, S: 4 * B * T * S * config.n_embd * config.n_layer  # noqa: E731  q·kᵀ, att·v
+    step = lambda S: estimate_flops(config, B, 1) - attn(1, 1) + attn(1, S)  # noqa: E731
+    return estimate_flops(config, B, P, outputs=B) + sum(step(S) for S in range(P + 1, P + N))
+
+
+def model_flops(config, lengths, outputs, backward=False):
+    """The FLOPs the real tokens need, whatever the implementation: the numerator of MFU (model
+    FLOPs utilisation, Chowdhery et al. 2022, PaLM, app. B). lengths: the real tokens of each
+    sequence; outputs: how many positions need the head (those with a target). 2 FLOPs per matmul
+    weight per real token (24·C² a layer), the head only at `outputs`, causal attention (4·C per
+    layer for each query and each key at or before it: the least a causal model needs);
+    backward=True: x3, the forward and a backward of twice its cost, no recomputation. Never more
+    than estimate_flops of the same work (which counts padding, full T x T attention, recomputed
+    scores, the head everywhere): MFU <= HFU."""
+    C, L = config.n_embd, config.n_layer
+    head = config.vocab_size if config.head == "lm" else 1
+    n = torch.as_tensor(lengths, dtype=torch.float64)
+    f = L * (24 * C * C * n.sum() + 4 * C * (n * (n + 1) / 2).sum()) + 2 * C * head * outputs
+    return float(3 * f if backward else f)
+
+
+def matmul_shapes(config, positions, outputs=None):
+    """The (m, k, n) of the model's matmuls in a forward over `positions` tokens with the head at
+    `outputs` of them (default all): where plumbing.measure_peak_flops times the device."""
+    C, V = config.n_embd, config.vocab_size if config.head == "lm" else 1
+    mm = [(positions, C, 3 * C), (positions, C, C), (positions, C, 4 * C), (positions, 4 * C, C),
+          (positions if outputs is None else outputs, C, V)]
+    return sorted(set(mm))
 
 
 # torch 2.13's FlopCounterMode has no formula for the CPU flash-attention kernels SDPA dispatches to
@@ -443,7 +502,9 @@ def anatomy(models, T=None):
     is only held and run forward. T: the sequence length the FLOPs per token are counted at
     (attention grows with T; default: each model's block_size). Returns one dict per model, then a
     "total" row: the loop's FLOPs per token and the job's bytes. Activations are not counted: they
-    scale with the batch."""
+    scale with the batch.
+    FLOPs per token: of a token with a target (the head runs there), and of one without (a prompt
+    token, which only conditions: the head is skipped, see sequence_logprobs)."""
     rows = []
     for name, m in models.items():
         params = list(m.parameters())  # a tied lm_head is the same Parameter as wte: counted once
@@ -452,8 +513,9 @@ def anatomy(models, T=None):
         r = dict(model=name, state="trainable" if trainable else "frozen",
                  params=sum(p.numel() for p in params), weights_bytes=w,
                  grads_bytes=w if trainable else 0, adamw_bytes=2 * w if trainable else 0,
-                 # fwd+bwd, or fwd
-                 flops_per_token=estimate_flops(m.config, 1, t, backward=trainable) / t)
+                 # forward + backward, or forward
+                 flops_per_token=estimate_flops(m.config, 1, t, backward=trainable) / t,
+                 flops_per_context_token=estimate_flops(m.config, 1, t, trainable, outputs=0) / t)
         rows.append({**r, "total_bytes": r["weights_bytes"] + r["grads_bytes"] + r["adamw_bytes"]})
     rows.append({k: "total" if k == "model" else "" if k == "state" else sum(r[k] for r in rows)
                  for k in rows[0]})
@@ -463,11 +525,11 @@ def anatomy(models, T=None):
 def format_anatomy(rows, T):
     cols = ("weights_bytes", "grads_bytes", "adamw_bytes", "total_bytes")
     lines = [f"{'resident':<10} {'state':<9} {'params':>9} {'weights':>8} {'grads':>8} "
-             f"{'AdamW':>8} {'total':>8}   FLOPs/token at T={T}"]
+             f"{'AdamW':>8} {'total':>8}   FLOPs/token at T={T}: with a target / without"]
     for r in rows:
         mib = " ".join(f"{r[k] / 2**20:>8.2f}" for k in cols)
-        lines.append(f"{r['model']:<10} {r['state']:<9} {r['params']:>9,} {mib}   "
-                     f"{r['flops_per_token'] / 1e6:.2f} M")
+        flops = f"{r['flops_per_token'] / 1e6:.2f} M / {r['flops_per_context_token'] / 1e6:.2f} M"
+        lines.append(f"{r['model']:<10} {r['state']:<9} {r['params']:>9,} {mib}   {flops}")
     return "\n".join(lines + ["(bytes in MiB, fp32; activations not counted)"])
 
 

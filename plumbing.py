@@ -336,20 +336,55 @@ def autocast(device):
     return contextlib.nullcontext()
 
 
-def measure_peak_flops(device, n=None, reps=5):
-    """The device's dense matmul throughput, measured once at start: MFU = model FLOPs / this.
-    Measured rather than read from a spec sheet, so the number is honest on any CPU or GPU."""
-    n = n or (8192 if device.type == "cuda" else 1024)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    a @ b  # warm-up
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    sync()
-    return 2 * n ** 3 * reps / (time.perf_counter() - t)
+PEAKS = {}  # (device, shapes) -> FLOP/s: measure_peak_flops times each once per process
+
+
+def measure_peak_flops(device, shapes, seconds=0.1):
+    """The device's matmul throughput at the model's own shapes, FLOP/s: the denominator of MFU and
+    HFU. shapes: (m, k, n) of the model's matmuls (model.matmul_shapes). Each shape is timed in 5
+    blocks of repeated matmuls, seconds / 5 / len(shapes) or more each (CUDA events on a GPU), after
+    a warm-up that also sizes the blocks; the peak is the fastest block of the fastest shape. The
+    fastest, not the median: another process can only slow a block down, never speed it up, so the
+    fastest block is the closest to what the device does (timeit's rule), and a peak measured too
+    low is what lets a utilisation pass 1. A step runs these same matmuls and slower work besides,
+    so its FLOPs per second stay below the peak: utilisation <= 1. Measured once per process and
+    shapes; the tensors are freed before it returns (and CUDA's cache emptied), so a peak-memory
+    count started after it never sees them. Measured, not read from a spec sheet."""
+    key = (str(device), tuple(shapes))
+    if key in PEAKS:
+        return PEAKS[key]
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32  # what autocast multiplies in
+
+    def timed(f, reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                f()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+        t = time.perf_counter()
+        for _ in range(reps):
+            f()
+        return time.perf_counter() - t
+
+    def throughput(m, k, n):  # FLOP/s of one shape; its tensors are freed on return
+        a, b = (torch.randn(r, c, device=device, dtype=dtype) for r, c in ((m, k), (k, n)))
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        f = lambda: torch.mm(a, b, out=out)  # noqa: E731
+        reps = 1
+        while timed(f, reps) < block:  # warm-up, doubling until a block lasts long enough
+            reps *= 2
+        return 2 * m * k * n * reps / min(timed(f, reps) for _ in range(5))
+
+    block = seconds / 5 / len(shapes)
+    best = max(throughput(*s) for s in shapes)
+    if cuda:
+        torch.cuda.empty_cache()
+    PEAKS[key] = best
+    return best
 
 
 def clock(d):

@@ -32,7 +32,8 @@ import data
 import reward
 import sft
 from evaluate import evaluate_policy, print_samples
-from model import anatomy, estimate_flops, format_anatomy, generate, save_model, token_logprobs
+from model import (anatomy, estimate_flops, format_anatomy, generate, generate_flops, matmul_shapes,
+                   model_flops, save_model, sequence_logprobs)
 from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, clock,
                       init_distributed, lap, lr_at, measure_peak_flops, parse_config, reduce_sums,
                       require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
@@ -176,8 +177,11 @@ class PolicyAndValue(torch.nn.Module):
         super().__init__()
         self.policy, self.critic = policy, critic
 
-    def forward(self, idx, mask):
-        return self.policy(idx, mask=mask), self.critic(idx, mask=mask)
+    def forward(self, idx, mask, targets, temperature):
+        """Per-token log-probs of the targets (B,T) (model.sequence_logprobs: the LM head only where
+        a target exists) and values (B,T)."""
+        return (sequence_logprobs(self.policy, idx, targets, mask, temperature),
+                self.critic(idx, mask=mask))
 
 
 def broadcast_weights(trainer, rollout_copy, d):
@@ -281,7 +285,7 @@ def main(cfg):
     if start:
         broadcast_weights(policy, rollout, d)  # the rollout engine resumes with the restored policy
     log.start(start)  # metrics.jsonl keeps the iterations up to `start`
-    peak = measure_peak_flops(d.device)
+    peak = measure_peak_flops(d.device, matmul_shapes(policy.config, B * T))
     scorer = f"r_φ {cfg.reward_model}" if rm is not None else "the hidden true reward (PPO-GT)"
     log.print(f"rollout {cfg.rollout_batch} = {d.world} ranks x {B} | {cfg.ppo_epochs} epochs x "
               f"{n_mini} minibatches of {cfg.mini_batch} = {d.world} ranks x {accum} accumulation "
@@ -312,6 +316,8 @@ def main(cfg):
         tokens, mask = out["tokens"], out["mask"]  # (B, L): left-padded prompt, response, pad
         resp, rmask = tokens[:, P:], out["response_mask"][:, P:]  # (B, N): the response columns
         targets = resp.masked_fill(~rmask, -100)
+        full = F.pad(targets, (P - 1, 1), value=-100)  # (B, L): column c-1 predicts the token at c
+        plen, rlen = mask[:, :P].sum(1), rmask.sum(1)  # (B,) prompt and response tokens
         lap(times, "rollout", d)
 
         # -- reward service: score each response, cut at its EOS (generate pads after it)
@@ -336,8 +342,7 @@ def main(cfg):
         # -- reference log-probs: log π_ref of the sampled tokens, from the resident π_ref
         # (the logits at column c-1 predict token c; every log-prob divides them by T, N details)
         with torch.no_grad(), autocast(d.device):
-            ref_logits = ref(tokens, mask=mask)[:, P - 1:-1]
-        ref_logp = token_logprobs(ref_logits, targets, cfg.temperature)  # (B, N)
+            ref_logp = sequence_logprobs(ref, tokens, full, mask, cfg.temperature)[:, P - 1:-1]
         lap(times, "reference", d)
 
         # -- old log-probs and values: the trainer's own forward, and the critic's V before each
@@ -345,13 +350,9 @@ def main(cfg):
         # numbers for the same tokens, and PPO's ratio must start at exactly 1. The gap says how
         # far apart they were.
         with torch.no_grad(), autocast(d.device):
-            logits, values = pv(tokens, mask)
-            logits = logits[:, P - 1:-1].float()  # (B, N, V)
-            old_values = torch.where(rmask, values[:, P - 1:-1].float(), 0.0)
-        old_logp = token_logprobs(logits, targets, cfg.temperature)
-        lp = F.log_softmax(logits / cfg.temperature, -1)
-        entropy = -(lp.exp() * lp).sum(-1)  # (B, N) nats of the sampling distribution
-        del logits, lp
+            old_logp, entropy = (t[:, P - 1:-1] for t in sequence_logprobs(  # (B, N) each
+                policy, tokens, full, mask, cfg.temperature, entropy=True))
+            old_values = torch.where(rmask, critic(tokens, mask=mask)[:, P - 1:-1].float(), 0.0)
         gap = torch.where(rmask, (old_logp - out["logprobs"][:, P:]).abs(), 0.0)
         lap(times, "values", d)
 
@@ -376,24 +377,38 @@ def main(cfg):
                              for j in range(n_mini)]).float()
         n_tok = all_reduce_sum(n_tok, d).view(cfg.ppo_epochs, n_mini)
         sums = dict.fromkeys(["pg", "vf", "clipfrac", "approx_kl", "vf_clipfrac"], 0.0)
+        flops = {"model": 0.0, "hardware": 0.0}  # the update's; the other phases' are added below
         for e, j in itertools.product(range(cfg.ppo_epochs), range(n_mini)):
             rows = perms[e][j * mb:(j + 1) * mb]
+            # micro-batches of similar response lengths, each cut to its own longest prompt (left)
+            # and response (right): the minibatch, and so its loss, is the same; padding is not
+            rows = rows[rlen[rows].argsort(descending=True, stable=True)]
             for m in range(accum):
                 r = rows[m * micro:(m + 1) * micro]
+                lo, n = P - int(plen[r].max()), int(rlen[r].max())  # its columns: lo .. P+n-1
                 with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
                     # -- policy forward: policy and critic, one DDP module
                     with autocast(d.device):
-                        logits, values = model(tokens[r], mask[r])
-                    logp = token_logprobs(logits[:, P - 1:-1], targets[r], cfg.temperature)
+                        logp, values = model(tokens[r, lo:P + n], mask[r, lo:P + n],
+                                             full[r, lo:P + n], cfg.temperature)
+                    # (micro, n): its response columns
+                    logp, values = logp[:, P - 1 - lo:-1], values[:, P - 1 - lo:-1].float()
                     lap(times, "policy_forward", d)
                     # -- loss: the clipped surrogate + vf_coef · the clipped value loss
-                    pg, clipfrac, approx_kl = ppo_policy_loss(logp, old_logp[r], adv[r], rmask[r],
-                                                              cfg.cliprange, n_tok[e, j])
-                    vf, vf_clipfrac = ppo_value_loss(values[:, P - 1:-1].float(), old_values[r],
-                                                     returns[r], rmask[r], cfg.cliprange_value,
+                    pg, clipfrac, approx_kl = ppo_policy_loss(logp, old_logp[r, :n], adv[r, :n],
+                                                              rmask[r, :n], cfg.cliprange,
+                                                              n_tok[e, j])
+                    vf, vf_clipfrac = ppo_value_loss(values, old_values[r, :n], returns[r, :n],
+                                                     rmask[r, :n], cfg.cliprange_value,
                                                      n_tok[e, j])
                     ((pg + cfg.vf_coef * vf) * d.world).backward()
                     lap(times, "loss", d)  # the backward included
+                # FLOPs of forward + backward (True) of policy and critic: executed, needed
+                n_t, lens, w = int(rlen[r].sum()), plen[r] + rlen[r], P + n - lo
+                flops["hardware"] += (estimate_flops(policy.config, len(r), w, True, outputs=n_t)
+                                      + estimate_flops(critic.config, len(r), w, True))
+                flops["model"] += (model_flops(policy.config, lens, n_t, True)
+                                   + model_flops(critic.config, lens, n_t, True))
                 for k, v in (("pg", pg.detach()), ("vf", vf.detach()), ("clipfrac", clipfrac),
                              ("approx_kl", approx_kl), ("vf_clipfrac", vf_clipfrac)):
                     sums[k] += v
@@ -415,15 +430,27 @@ def main(cfg):
         dt = times.pop("t") - t_iter
         true = [data.true_reward(texts[i], y) for i, y in zip(idx, replies or decode())]
         resid = torch.where(rmask, returns - old_values, 0.0)
+        # FLOPs on this rank, executed (padding included) and needed by the real tokens: the
+        # rollout (each real token but the last fed once, the head where a token is sampled), r_φ
+        # (a score per row), π_ref and π_old (the head at the K response positions), the critic,
+        # and the update (counted above)
+        real, K, L, c = mask.sum(1), int(rmask.sum()), tokens.shape[1], policy.config
+        flops["hardware"] += (generate_flops(c, B, P, L - P)
+                              + 2 * estimate_flops(c, B, L, outputs=K)
+                              + estimate_flops(critic.config, B, L)
+                              + (estimate_flops(rm.config, B, L) if rm is not None else 0))
+        flops["model"] += (model_flops(c, real - 1, K) + 2 * model_flops(c, real, K)
+                           + model_flops(critic.config, real, K)
+                           + (model_flops(rm.config, real, B) if rm is not None else 0))
         upd = reduce_sums(d, **sums)  # each sum: one global minibatch's mean per minibatch
         s = reduce_sums(d, n=B, score=score.sum(), true=sum(true), kl=k1.sum(), kl_k3=k3.sum(),
                         entropy=msum(entropy, rmask), tokens=rmask.sum(), eos=has_eos.sum(),
                         gap=gap.sum(), real=mask.sum(), ret=returns.sum(),
-                        ret2=returns.pow(2).sum(), resid=resid.sum(), resid2=resid.pow(2).sum())
+                        ret2=returns.pow(2).sum(), resid=resid.sum(), resid2=resid.pow(2).sum(),
+                        flops_model=flops["model"], flops_hardware=flops["hardware"])
         n, n_t, steps = s["n"], s["tokens"], cfg.ppo_epochs * n_mini
         var_ret = s["ret2"] / n_t - (s["ret"] / n_t) ** 2
         var_resid = s["resid2"] / n_t - (s["resid"] / n_t) ** 2
-        flops = B * tokens.shape[1] * sum(phase_flops.values())  # this rank's, padded length
         metrics = {"score": s["score"] / n, "true_reward": s["true"] / n, "kl": s["kl"] / n,
                    "kl_k3": s["kl_k3"] / n, "kl_coef": kl_coef, "entropy": s["entropy"] / n_t,
                    "approx_kl": upd["approx_kl"] / steps, "clipfrac": upd["clipfrac"] / steps,
@@ -433,7 +460,9 @@ def main(cfg):
                    "grad_norm": grad_norm, "lr": lr, "response_len": n_t / n,
                    "eos_rate": s["eos"] / n, "logprob_gap": s["gap"] / n_t,
                    "broadcast_MB": n_bytes / 2**20, "tokens_per_sec": s["real"] / dt,
-                   "mfu": flops / dt / peak, "time/iteration": 1000 * dt, **times,
+                   "mfu": s["flops_model"] / (d.world * peak * dt),
+                   "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
+                   "time/iteration": 1000 * dt, **times,
                    **{f"share/{k}": times[f"time/{k}"] / (1000 * dt) for k in PHASES}}
         log.log(it + 1, cfg.iterations, metrics, show=("score", "true_reward", "kl", "entropy",
                                                        "clipfrac", "approx_kl", "response_len",

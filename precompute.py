@@ -8,7 +8,7 @@ DPO's loss (Eq. 7 of Rafailov et al. 2023) needs log π_ref(y|x) for every chose
 π_ref is frozen and the pairs are fixed, so these numbers never change during training: computing them
 once here takes the reference model out of the training job (TRL's `precompute_ref_log_probs`). Each
 file holds, keyed by the pair's row in its JSONL file, the summed response log-probs (fp32) of chosen
-and rejected, computed exactly as dpo.py computes its policy's (model.token_logprobs on
+and rejected, computed exactly as dpo.py computes its policy's (model.sequence_logprobs on
 data.collate_pairs batches), and in its metadata a fingerprint of everything that determines them, so
 that dpo.py can refuse a stale cache. The cost of the pass (tokens, wall time, FLOPs) is printed and kept.
 """
@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import data
 import sft
-from model import estimate_flops, load_model, token_logprobs
+from model import estimate_flops, load_model, model_flops, sequence_logprobs
 from plumbing import all_reduce_sum, autocast, barrier, check, init_distributed, parse_config, require_stage, teardown
 
 
@@ -85,8 +85,9 @@ def command(cfg):
 def pair_logps(model, input_ids, targets):
     """One forward over [chosen; rejected]: input_ids, targets (2B,T) from data.collate_pairs.
     Returns the summed response log-probs (2B,) fp32; prompt and padding have target -100, so they
-    add exactly 0. The policy in dpo.py, π_ref live and this cache all go through here."""
-    return token_logprobs(model(input_ids), targets).sum(-1)
+    add exactly 0 (the LM head does not even run there). The policy in dpo.py, π_ref live and this
+    cache all go through here."""
+    return sequence_logprobs(model, input_ids, targets).sum(-1)
 
 
 @torch.no_grad()
@@ -96,10 +97,14 @@ def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
     Each rank takes whole micro-batches (batch i goes to rank i % world), so the batches, and hence
     the numbers, are the same for any world size. A DistributedSampler would instead pad the last
     shard by repeating rows, which a sum over ranks would count twice: here the shards are uneven and
-    a per-row count proves each index was filled exactly once."""
+    a per-row count proves each index was filled exactly once. The examples are batched in order of
+    length (a fixed order, so still the same batches on any world size): each batch is padded only
+    to its own longest row."""
     model.eval()
     acc = torch.zeros(3, n_rows, device=d.device)  # chosen, rejected, times filled
-    cost = torch.zeros(3, dtype=torch.float64, device=d.device)  # real tokens, positions, FLOPs
+    # real tokens, positions, FLOPs executed (padding included), FLOPs the real tokens need
+    cost = torch.zeros(4, dtype=torch.float64, device=d.device)
+    examples = sorted(examples, key=data.longest_row)
     batches = [examples[i:i + micro_batch_size] for i in range(0, len(examples), micro_batch_size)]
     for rows in batches[d.rank::d.world]:
         b = data.collate_pairs(rows, pad)
@@ -108,7 +113,10 @@ def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
             logp = pair_logps(model, x, y).float()  # (2B,)
         B = len(rows)
         acc[0, idx], acc[1, idx], acc[2, idx] = logp[:B], logp[B:], acc[2, idx] + 1
-        cost += torch.tensor([(x != pad).sum().item(), x.numel(), estimate_flops(model.config, *x.shape)],
+        K, real = int((y != -100).sum()), (x != pad).sum(1)
+        cost += torch.tensor([real.sum().item(), x.numel(),
+                              estimate_flops(model.config, *x.shape, outputs=K),
+                              model_flops(model.config, real, K)],
                              dtype=torch.float64, device=d.device)
     all_reduce_sum(acc, d), all_reduce_sum(cost, d)  # one collective each: a value + 0 from the others is exact
     filled = acc[2].cpu()
@@ -117,7 +125,8 @@ def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
     out[:, filled == 1] = acc[:2, filled == 1].cpu()
     left = [e["index"] for e in examples if not torch.isfinite(out[:, e["index"]]).all()]
     check(not left, f"{len(left)} examples have no reference log-probs (e.g. rows {left[:5]})")
-    return out, dict(tokens=int(cost[0]), positions=int(cost[1]), flops=int(cost[2]))
+    return out, dict(tokens=int(cost[0]), positions=int(cost[1]), flops=int(cost[2]),
+                     model_flops=int(cost[3]))
 
 
 def save_ref_logps(path, logps, fp, stats, cost):

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import sft
-from model import GPT, estimate_flops, generate, read_meta, save_model
+from model import GPT, estimate_flops, generate, matmul_shapes, model_flops, read_meta, save_model
 from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check,
                       init_distributed, lr_at, measure_peak_flops, parse_config, reduce_sums,
                       require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
@@ -125,9 +125,11 @@ def pair_scores(model, examples, pad, micro_batch_size, device):
 
 
 def val_metrics(model, examples, pad, cfg, d):
-    """Held-out accuracy (ties count half) and loss, sharded over ranks."""
+    """Held-out accuracy (ties count half) and loss, sharded over ranks; in order of length, so each
+    micro-batch is padded only to its own longest row."""
     model.eval()
-    rc, rr = pair_scores(model, examples[d.rank::d.world], pad, cfg.micro_batch_size, d.device)
+    mine = sorted(examples, key=data.longest_row)[d.rank::d.world]
+    rc, rr = pair_scores(model, mine, pad, cfg.micro_batch_size, d.device)
     s = reduce_sums(d, correct=((rc > rr).float() + 0.5 * (rc == rr).float()).sum(),
                     loss=-F.logsigmoid(rc - rr).sum(), n=len(rc))
     model.train()
@@ -182,6 +184,7 @@ def main(cfg):
               f"{stats['unusable']} unusable), {len(val)} val pairs")
     check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, "
           f"fewer than --batch_size {cfg.batch_size}")
+    lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
 
     # ---- model, optimizer, resume
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
@@ -193,7 +196,7 @@ def main(cfg):
         model = DDP(raw_model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     mb = cfg.batch_size // d.world // accum
-    peak = measure_peak_flops(d.device)
+    peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * block))
     log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | "
               f"batch {cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {mb} | "
               f"device {d.device}")
@@ -205,9 +208,13 @@ def main(cfg):
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed)
+        # grouped by length: each micro-batch padded to its own longest row (data.global_batch)
+        mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
         mine = data.rank_slice(mine, d.rank, d.world)
-        sums, flops = dict.fromkeys(["loss", "correct", "margin"], 0.0), 0
+        # FLOPs of forward + backward (True below): those the real tokens need (the head at one
+        # position per row), and those executed
+        sums = dict.fromkeys(["loss", "correct", "margin", "tokens", "flops_model",
+                              "flops_hardware"], 0.0)
         for m in range(accum):
             b = data.collate_pairs([train[i] for i in mine[m * mb:(m + 1) * mb]], tok.pad)
             x, mask = b["input_ids"].to(d.device), pair_mask(b["targets"]).to(d.device)
@@ -219,19 +226,24 @@ def main(cfg):
                 # bt_loss is a mean over this micro-batch: rescale it to a mean over the global
                 # batch (x world: DDP averages over ranks)
                 (loss * len(rc) * d.world / cfg.batch_size).backward()
+            real = (x != tok.pad).sum(1)
             for k, v in (("loss", loss.detach() * len(rc)), ("correct", (rc > rr).float().sum()),
-                         ("margin", (rc - rr).detach().sum())):
+                         ("margin", (rc - rr).detach().sum()), ("tokens", real.sum()),
+                         ("flops_model", model_flops(raw_model.config, real, len(x), True)),
+                         ("flops_hardware", estimate_flops(raw_model.config, *x.shape, True))):
                 sums[k] += v
-            flops += estimate_flops(raw_model.config, *x.shape, backward=True)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        s = {k: v / cfg.batch_size for k, v in reduce_sums(d, **sums).items()}
+        tot = reduce_sums(d, **sums)
+        s = {k: tot[k] / cfg.batch_size for k in ("loss", "correct", "margin")}  # means per pair
         stop_if_not_finite({"loss": s["loss"], "grad_norm": grad_norm}, f"step {step + 1}",
                            ckpt_dir, "Try a lower --lr.")
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         metrics = {"loss": s["loss"], "accuracy": s["correct"], "margin": s["margin"],
-                   "grad_norm": grad_norm, "lr": lr, "mfu": flops / dt / peak,
+                   "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": tot["tokens"] / dt,
+                   "mfu": tot["flops_model"] / (d.world * peak * dt),
+                   "mfu_hardware": tot["flops_hardware"] / (d.world * peak * dt),
                    "time/step": 1000 * dt}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_accuracy"], metrics["val_loss"] = val_metrics(model, val, tok.pad, cfg, d)

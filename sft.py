@@ -18,7 +18,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
-from model import GPT, GPTConfig, estimate_flops, import_gpt2, save_model, token_logprobs
+from model import (GPT, GPTConfig, estimate_flops, import_gpt2, matmul_shapes, model_flops,
+                   save_model, sequence_logprobs)
 from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check,
                       init_distributed, lr_at, measure_peak_flops, parse_config, reduce_sums,
                       require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
@@ -63,15 +64,16 @@ def build_task(d):
 
 @torch.no_grad()
 def val_loss(model, examples, cfg, d, pad):
-    """Mean NLL per predicted token over all val texts, each rank taking every world-th text."""
+    """Mean NLL per predicted token over all val texts, each rank taking every world-th text (in
+    order of length: each micro-batch is padded only to its own longest)."""
     model.eval()
     nll = n = 0.0
-    mine, mb = examples[d.rank::d.world], cfg.micro_batch_size
+    mine, mb = sorted(examples, key=data.longest_row)[d.rank::d.world], cfg.micro_batch_size
     for i in range(0, len(mine), mb):
         x, y = data.collate([(e["prompt"], e["response"]) for e in mine[i:i + mb]], pad)
         x, y = x.to(d.device), y.to(d.device)
         with autocast(d.device):
-            logp = token_logprobs(model(x), y)
+            logp = sequence_logprobs(model, x, y)
         nll, n = nll - logp.sum(), n + (y != -100).sum()
     s = reduce_sums(d, nll=nll, n=n)
     model.train()
@@ -92,6 +94,12 @@ def main(cfg):
               f"tokens), {len(val)} val texts ({val_stats['truncated']} cut)")
     check(len(train) >= cfg.batch_size, f"{cfg.train_text} has {len(train)} usable texts, fewer "
           f"than --batch_size {cfg.batch_size}")
+    lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
+    # Every token weighs the same in every step: the loss is the batch's summed NLL over a fixed
+    # count, the mean tokens of a global batch over the data, not over the batch's own count. With
+    # length-grouped batches, a batch of short texts holds fewer tokens: its own count would weigh
+    # each of them more, and tilt the objective toward short texts.
+    tokens_per_batch = cfg.batch_size * sum(len(e["response"]) for e in train) / len(train)
 
     # ---- model, optimizer, resume
     torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
@@ -114,8 +122,8 @@ def main(cfg):
     if d.world > 1:
         model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
-    peak = measure_peak_flops(d.device)
     mb = cfg.batch_size // d.world // accum
+    peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, mb * cfg.block_size))
     log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | "
               f"batch {cfg.batch_size} = {d.world} ranks x {accum} accumulation x {mb} | device "
               f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")
@@ -127,30 +135,36 @@ def main(cfg):
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = data.global_batch(len(train), cfg.batch_size, step, cfg.seed)
-        # Normalise by the global batch's token count, known on every rank, so that the gradient
-        # is the same mean over tokens whatever the world size and accumulation (DDP averages).
-        n_tok = sum(len(train[i]["response"]) for i in batch)
-        mine, flops, nll = data.rank_slice(batch, d.rank, d.world), 0, 0.0
+        batch = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
+        n_tok = sum(len(train[i]["response"]) for i in batch)  # this batch's, for the metrics
+        mine, nll = data.rank_slice(batch, d.rank, d.world), 0.0
+        flops = {"model": 0.0, "hardware": 0.0}  # needed by the real tokens; executed
         for m in range(accum):
             rows = [train[i] for i in mine[m * mb:(m + 1) * mb]]
             x, y = data.collate([(e["prompt"], e["response"]) for e in rows], tok.pad)
             x, y = x.to(d.device), y.to(d.device)
             with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
                 with autocast(d.device):
-                    logp = token_logprobs(model(x), y)  # (B, T), 0 on prompt and padding
-                (-logp.sum() * d.world / n_tok).backward()
+                    logp = sequence_logprobs(model, x, y)  # (B, T), 0 on prompt and padding
+                # x world: DDP averages the ranks' gradients
+                (-logp.sum() * d.world / tokens_per_batch).backward()
             nll -= logp.sum().detach()
-            flops += estimate_flops(raw_model.config, *x.shape, backward=True)
+            K = int((y != -100).sum())
+            flops["hardware"] += estimate_flops(raw_model.config, *x.shape, backward=True,
+                                                outputs=K)
+            flops["model"] += model_flops(raw_model.config, (x != tok.pad).sum(1), K, backward=True)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        loss = reduce_sums(d, nll=nll)["nll"] / n_tok  # the global batch's mean NLL per token
+        s = reduce_sums(d, nll=nll, flops_model=flops["model"], flops_hardware=flops["hardware"])
+        loss = s["nll"] / n_tok  # the global batch's mean NLL per token
         stop_if_not_finite({"loss": loss, "grad_norm": grad_norm}, f"step {step + 1}", ckpt_dir,
                            "Try a lower --lr.")
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": n_tok / dt,
-                   "mfu": flops / dt / peak, "time/step": 1000 * dt}
+                   "mfu": s["flops_model"] / (d.world * peak * dt),
+                   "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
+                   "time/step": 1000 * dt}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_loss"] = val_loss(model, val, cfg, d, tok.pad)
         if (step + 1) % 10 == 0 or "val_loss" in metrics or step == 0:

@@ -38,6 +38,8 @@ import sft
 from evaluate import evaluate_policy
 from model import (GPT, GPTConfig, count_flops, estimate_flops, export_gpt2, generate, import_gpt2, load_model,
     new_kv_cache, read_meta, save_model, token_logprobs)
+from model import generate_flops, model_flops, sequence_logprobs
+from model import matmul_shapes as model_matmul_shapes
 from plumbing import Dist, init_distributed
 
 
@@ -434,6 +436,80 @@ def test_estimate_flops_matches_flop_counter():
         attn = cfg.n_layer * 4 * B * T * T * cfg.n_embd
         # stock counter: attention counted if this torch knows the CPU kernel, 0 if not (torch 2.13)
         assert fc.get_total_flops() in (estimate_flops(cfg, B, T), estimate_flops(cfg, B, T) - attn)
+        # the head only where an output is asked for (at): K positions, not B*T
+        at = torch.rand(B, T, generator=torch.Generator().manual_seed(0)) < 0.3
+        K = int(at.sum())
+        assert count_flops(lambda: m(idx, at=at))[1] == estimate_flops(cfg, B, T, outputs=K)
+        step = lambda: m(idx, at=at).float().pow(2).mean().backward()  # noqa: E731
+        assert count_flops(step)[1] == estimate_flops(cfg, B, T, backward=True, outputs=K)
+    m = tiny_gpt().float()  # generate: a prefill, the head at its last column; then 1-token steps
+    out, counted = count_flops(lambda: generate(m, [[1, 2, 3], [4]], 6, eos_id=-1, pad_id=0))
+    assert counted == generate_flops(m.config, 2, 3, out["tokens"].shape[1] - 3)
+
+
+def test_model_flops_closed_form_and_never_above_the_executed():
+    c = GPTConfig(block_size=32, vocab_size=50, n_layer=3, n_head=2, n_embd=16)
+    C, L, V, T = 16, 3, 50, 10
+    # one sequence of T tokens, the head at each: 2 FLOPs per matmul weight per token (a block's
+    # 12·C² matrix weights, the head's C·V; PaLM's 2N) and causal attention, q·k and a·v, 4·C for
+    # each query and each key at or before it
+    assert model_flops(c, [T], T) == T * (L * 24 * C * C + 2 * C * V) + L * 4 * C * T * (T + 1) // 2
+    assert model_flops(c, [T], T, backward=True) == 3 * model_flops(c, [T], T)  # PaLM's 6N
+    assert model_flops(c, [T], 0) == model_flops(c, [T], T) - T * 2 * C * V  # no target, no head
+    # unpadded, the head everywhere: what ran beyond it is attention's upper triangle, exactly
+    assert estimate_flops(c, 1, T) - model_flops(c, [T], T) == L * 4 * C * T * (T - 1) // 2
+    for bw in (False, True):  # a padded batch runs more than its real tokens need: MFU <= HFU
+        assert model_flops(c, [3, 10, 7], 12, bw) < estimate_flops(c, 3, 10, bw, outputs=12)
+
+
+def test_logprobs_only_where_a_target_exists_equal_the_full_logits():
+    # sequence_logprobs runs the LM head and the log-softmax only at the K positions with a target;
+    # the obvious path runs them on all B·T positions and gathers. In float64 the two differ only in
+    # the shapes of the head's matmul and the softmax (summation order): ~1e-16, so 1e-12 is ample,
+    # while a log-prob put at the wrong position moves by O(1).
+    m = tiny_gpt()
+    g = torch.Generator().manual_seed(1)
+    idx, mask = left_pad([[1, 2, 3, 4, 5, 6, 7], [8, 9], [3, 3, 4, 1]], pad=0)
+    targets = torch.randint(0, 13, idx.shape, generator=g)
+    targets[torch.rand(idx.shape, generator=g) < 0.5] = -100  # targets at some positions only
+    targets[1] = -100  # and a row with none
+    for temp in (1.0, 0.7):
+        logits = m(idx, mask=mask)
+        lp, ent = sequence_logprobs(m, idx, targets, mask, temp, entropy=True)
+        assert torch.allclose(lp, token_logprobs(logits, targets, temp), atol=1e-12, rtol=0)
+        assert (lp[targets == -100] == 0).all() and (lp[targets != -100] < 0).all()
+        q = F.log_softmax(logits / temp, -1)
+        want = torch.where(targets != -100, -(q.exp() * q).sum(-1), 0.0)
+        assert torch.allclose(ent, want, atol=1e-12, rtol=0)
+    ps = list(m.parameters())  # and the gradients of the log-probs' sum, parameter by parameter
+    full = torch.autograd.grad(token_logprobs(m(idx, mask=mask), targets).sum(), ps)
+    at = torch.autograd.grad(sequence_logprobs(m, idx, targets, mask).sum(), ps)
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(full, at))
+
+
+def test_peak_flops_measured_once_at_the_models_shapes_for_long_enough(monkeypatch):
+    # A fake clock on which every matmul takes 1 ms: the peak is then the largest shape's 2·m·k·n
+    # per ms, and the blocks must hold enough matmuls to last their share of the 0.1 s
+    monkeypatch.setattr(plumbing, "PEAKS", {})
+    shapes = model_matmul_shapes(GPTConfig(n_embd=32, vocab_size=64), 256, 100)
+    seen, now, mm = [], [0.0], torch.mm
+
+    def timed_mm(a, b, out):
+        seen.append((*a.shape, b.shape[1]))
+        now[0] += 1e-3
+        return mm(a, b, out=out)
+    monkeypatch.setattr(torch, "mm", timed_mm)
+    monkeypatch.setattr(plumbing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    peak = plumbing.measure_peak_flops(torch.device("cpu"), shapes, seconds=0.1)
+    # the fastest shape's FLOP/s (the fake clock adds up 1e-3 steps: rounding only)
+    assert peak == pytest.approx(max(2 * m * k * n for m, k, n in shapes) / 1e-3, rel=1e-9)
+    # each of the model's shapes, the MLP's and the head's among them, in 5 timed blocks of at
+    # least 0.1 s / 5 / 5 shapes = 4 ms: >= 20 matmuls each (the warm-up comes on top)
+    assert set(seen) == set(shapes) and (256, 32, 128) in seen and (100, 32, 64) in seen
+    assert all(seen.count(s) >= 20 for s in shapes)
+    n = len(seen)
+    assert plumbing.measure_peak_flops(torch.device("cpu"), shapes) == peak  # once per process:
+    assert len(seen) == n  # the second call times nothing
 
 
 # ====================================================================================================
@@ -846,6 +922,27 @@ def test_sharding_same_global_batches_any_world_size():
     with pytest.raises(AssertionError, match="larger"):
         data.global_batch(5, 8, 0, 0)
 
+def test_length_grouped_batches_keep_each_epoch_and_cut_the_padding():
+    n, B, seed, window = 103, 8, 5, 5  # 12 steps an epoch: windows of 5, 5 and 2 batches
+    lengths = torch.randint(5, 60, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    pad = lambda bs: sum(B * max(lengths[i] for i in g) for g in bs)  # noqa: E731  padded positions
+    for epoch in range(3):
+        steps = range(epoch * 12, (epoch + 1) * 12)
+        grouped = [data.global_batch(n, B, s, seed, lengths, window) for s in steps]
+        plain = [data.global_batch(n, B, s, seed) for s in steps]
+        # the epoch's examples, each exactly once: the same as without grouping (same tail dropped)
+        assert sorted(sum(grouped, [])) == sorted(sum(plain, []))
+        assert len(set(sum(grouped, []))) == 96
+        for g in grouped:  # longest first inside a batch, so contiguous micro-batches are tight too
+            assert [lengths[i] for i in g] == sorted((lengths[i] for i in g), reverse=True)
+        assert grouped == [data.global_batch(n, B, s, seed, lengths, window) for s in steps]  # pure
+        real = sum(lengths[i] for g in grouped for i in g)
+        # lengths uniform in 5..59, 40 to a window: measured 0.82-0.85 of positions real, 0.53-0.59
+        assert real / pad(grouped) > 0.8 > 0.6 > real / pad(plain)
+        # the batches of a window come in random order, not longest first
+        tops = [max(lengths[i] for i in g) for g in grouped[:window]]
+        assert tops != sorted(tops, reverse=True)
+
 
 # ====================================================================================================
 # plumbing.py and sft.py
@@ -972,7 +1069,8 @@ def test_sft_explicit_missing_input_is_an_error_naming_it(tiny, tmp_path):
 # scale, so the gradient's normalisation is checked through grad_norm.
 DPO_TOL = 1e-5
 DPO_METRICS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-               "logps/chosen", "logps/rejected", "grad_norm", "lr", "tokens_per_sec", "mfu"]
+               "logps/chosen", "logps/rejected", "grad_norm", "lr", "tokens_per_sec", "mfu",
+               "mfu_hardware"]
 
 
 def dpo_pcfg(tiny, out="dpo-cache", pairs=None, ref_model=None):
@@ -1080,6 +1178,40 @@ def test_concatenated_forward_equals_separate_forwards_and_counts_only_responses
                 assert abs(got.item() - want.item()) < 1e-10
 
 
+def test_grouped_micro_batches_with_targets_only_give_todays_loss_and_gradients(tiny):  # noqa: F811
+    # Today's path, before length grouping and logits only at targets: the global batch as one
+    # batch padded to its longest row, the LM head on every position (token_logprobs of the full
+    # logits). dpo.py's path: the same 16 pairs, longest first, in 4 micro-batches each padded to
+    # its own longest row, the head only at the targets, each micro-batch's summed loss over the
+    # global batch. float64, so the two differ only in summation order (~1e-15; right padding is
+    # invisible to the causal real tokens); a pair dropped or counted twice, a log-prob at the
+    # wrong position or a wrong normalisation moves the loss by > 1e-3.
+    model = load_model(f"{tiny.sft}/model.safetensors")[0].double().eval()
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    ex, _ = data.tokenize_pairs(tok, data.read_pairs(f"{tiny.task}/pairs_train.jsonl")[:64], 64, 16)
+    assert [e["index"] for e in ex] == list(range(64))
+    batch = [ex[i] for i in data.global_batch(64, 16, 0, 0, [data.longest_row(e) for e in ex])]
+    ref = -30 + torch.randn(2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ps = list(model.parameters())
+
+    def loss_and_grads(batches, logps):
+        loss, positions = 0.0, 0
+        for rows in batches:
+            b = data.collate_pairs(rows, tok.pad)
+            pi_c, pi_r = logps(b["input_ids"], b["targets"]).chunk(2)
+            losses, _, _ = dpo.dpo_loss(pi_c, pi_r, *ref[:, b["index"]], beta=0.1)
+            loss, positions = loss + losses.sum() / 16, positions + b["input_ids"].numel()
+        return loss, torch.autograd.grad(loss, ps), positions
+
+    full = lambda x, y: token_logprobs(model(x), y).sum(-1)  # noqa: E731
+    today, g_today, n_today = loss_and_grads([batch[::-1]], full)  # any order: one batch
+    ours, g_ours, n_ours = loss_and_grads([batch[i:i + 4] for i in range(0, 16, 4)],
+                                          lambda x, y: precompute.pair_logps(model, x, y))
+    assert abs(today.item() - ours.item()) < 1e-12
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(g_today, g_ours))
+    assert n_ours < n_today  # and each micro-batch was cut to its own longest row (808 < 896)
+
+
 # -----------------------------------------------------------------------------
 # the training loop
 
@@ -1131,22 +1263,41 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tiny, dpo_cache):  
 
 
 def test_cached_step_costs_the_analytic_fraction_of_a_live_step(tiny, dpo_cache, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(dpo, "measure_peak_flops", lambda device: 1e9)  # its matmuls would be counted
-    counted = {}
+    monkeypatch.setattr(dpo, "measure_peak_flops", lambda *a: 1e9)  # its matmuls would be counted
+    counted, logged = {}, {}
     for ref in ("cache", "live"):
         cfg = dpo_cfg(tiny, f"dpo-flops-{ref}", ref=ref, steps=2, stop_after=1)  # one step, no evaluation
         counted[ref] = count_flops(lambda: dpo.main(cfg))[1]
-    # expected from the model's own sizes and the step's real batch shapes
+        logged[ref] = dpo_metrics(cfg.out_dir)[0]
+    # expected from the model's own sizes and the step's real batches: grouped by length, each
+    # micro-batch padded to its own longest row, the LM head only at its K targets
     mcfg = load_model(cfg.ref_model)[0].config
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
     train, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len, cfg.max_prompt_len)
-    batch = data.global_batch(len(train), cfg.batch_size, 0, cfg.seed)
-    shapes = [data.collate_pairs([train[i] for i in batch[j:j + 8]], tok.pad)["input_ids"].shape for j in (0, 8)]
-    policy = sum(estimate_flops(mcfg, *s, backward=True) for s in shapes)  # forward + backward
-    reference = sum(estimate_flops(mcfg, *s) for s in shapes)  # forward only
+    lengths = [data.longest_row(e) for e in train]
+    batch = data.global_batch(len(train), cfg.batch_size, 0, cfg.seed, lengths)
+    bs = [data.collate_pairs([train[i] for i in batch[j:j + 8]], tok.pad) for j in (0, 8)]
+    shapes = [(*b["input_ids"].shape, int((b["targets"] != -100).sum())) for b in bs]
+    real = [(b["input_ids"] != tok.pad).sum(1) for b in bs]
+
+    def hardware(bw):  # executed: padded shapes, the head at the K targets
+        return sum(estimate_flops(mcfg, n, t, bw, outputs=k) for n, t, k in shapes)
+
+    def needed(bw):  # by the real tokens
+        return sum(model_flops(mcfg, r, k, bw) for r, (_, _, k) in zip(real, shapes))
+
+    policy, reference = hardware(True), hardware(False)  # forward + backward; forward only
     assert counted["cache"] == policy and counted["live"] == policy + reference  # exact: same counting rules
     ratio = counted["cache"] / counted["live"]
     assert abs(ratio - 0.75) < 0.02  # 3/(3+1) for matmuls; attention's 2.5x backward moves it slightly
+    # The logged utilisations over the patched peak of 1e9 FLOP/s, times the step's time, give back
+    # their numerators: HFU the FLOPs that ran (as counted), MFU those the real tokens need. The
+    # same floats multiplied back: only rounding differs (1e-9 relative is far above it).
+    for ref, live in (("cache", 0), ("live", 1)):
+        m, dt = logged[ref], logged[ref]["time/step"] / 1000
+        assert m["mfu_hardware"] * 1e9 * dt == pytest.approx(counted[ref], rel=1e-9)
+        assert m["mfu"] * 1e9 * dt == pytest.approx(needed(True) + live * needed(False), rel=1e-9)
+        assert m["mfu"] < m["mfu_hardware"]  # padding, full attention, recomputed scores
 
 
 # -----------------------------------------------------------------------------
@@ -1512,6 +1663,31 @@ def test_ppo_stops_on_non_finite(tiny, tiny_rm, tmp_path):
     assert not os.path.exists(tmp_path / "ppo" / "model.safetensors")
 
 
+def test_ppo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, tiny_rm, tmp_path):
+    # One epoch of one minibatch: the update's forward sees the weights that made the old
+    # log-probs and values, so the PPO ratio is 1 and nothing is clipped, whatever the micro-batches
+    # (sorted by response length, each cut to its own longest prompt and response, 4 of 2 rows
+    # here). The old log-probs come from one forward over the whole rollout batch: only fp32
+    # summation order differs (~1e-6 per token, so approx_kl ~ 1e-12); a column off by one in the
+    # cut moves log-probs by O(1) and approx_kl far above 1e-8.
+    # And the update does not depend on the micro-batching: one micro-batch of 8 (cut to the
+    # minibatch's longest row) against 8 of one row (each cut to itself) give the same losses and
+    # gradient norm, up to fp32 summation order (DPO_TOL, as DPO's equivalent runs); a token cut
+    # off a row, or a padded one counted, moves them by > 1e-3.
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the movie is"}) + "\n")
+    runs, rm = [], str(tiny_rm / "model.safetensors")
+    for micro in (2, 1, 8):
+        cfg = tiny_ppo_config(tiny, rm, tmp_path / f"ppo{micro}", str(prompts))
+        ppo.main(replace(cfg, iterations=1, mini_batch=8, ppo_epochs=1, micro_batch_size=micro))
+        runs.append(read_metrics(cfg.out_dir)[0])
+    m = runs[0]
+    assert m["clipfrac"] == 0 and m["vf_clipfrac"] == 0 and m["approx_kl"] < 1e-8
+    assert 0 < m["mfu"] < m["mfu_hardware"]
+    for k in ("loss/policy", "loss/value", "grad_norm"):
+        assert abs(runs[1][k] - runs[2][k]) <= DPO_TOL * max(1, abs(runs[1][k])), k
+
+
 # ====================================================================================================
 # compare.py
 # ====================================================================================================
@@ -1559,7 +1735,7 @@ def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F
     # r_φ and the critic: π_ref's trunk with a fresh scalar head (load_trunk), enough to count their work
     sft_file = f"{tiny.sft}/model.safetensors"
     cfg = compare.Config(task=tiny.task, sft=sft_file, reward_model=sft_file)
-    c, flops, shapes, models = costs.measure_small(cfg, init_distributed(), B=8)
+    c, flops, shapes, units, models = costs.measure_small(cfg, init_distributed(), B=8)
     for job in costs.JOBS:
         assert costs.iteration_flops(c, job, **shapes[job]) == flops[job], job  # exact: the same counting rules
     assert shapes["ppo"]["T"] > shapes["ppo"]["P"] + 1  # the rollout sampled several tokens (KV-cache steps counted)
