@@ -162,8 +162,8 @@ def freeze(model, bf16=False):
     """A model that only runs forward in a training job (π_ref, r_φ): eval mode (no dropout), no
     grads, and with bf16 (for a job under bf16 autocast) the blocks' Linear weights and biases
     stored in bf16: the very values autocast casts them to at every call, so its outputs under
-    autocast are bit for bit the fp32 model's while its bytes are about half (at 7B: 13.2 of 26.3
-    GB). Embeddings, LayerNorms and the tied fp32 head stay fp32. With bf16 it must run under
+    autocast are bit for bit the fp32 model's while its bytes are about half (at 7B: 12.5 of 24.5
+    GiB). Embeddings, LayerNorms and the tied fp32 head stay fp32. With bf16 it must run under
     autocast (a plain fp32 call would mix dtypes): the evaluation at a job's end loads its own."""
     model.eval().requires_grad_(False)
     for m in model.transformer.h.modules() if bf16 else ():

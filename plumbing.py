@@ -344,9 +344,9 @@ def lr_at(step, total, lr, warmup, min_lr_frac=0.1):
 
 
 def precision(device):
-    """"bf16" on CUDA (forwards under bf16 autocast), "fp32" on the CPU. The one rule that autocast,
-    the frozen models' dtype and the reference cache's fingerprint follow (the tests replace it to
-    run the bf16 path on a CPU)."""
+    """The forwards' precision on this device: "bf16" (under bf16 autocast) on CUDA, "fp32" on the
+    CPU. The one rule that autocast, the frozen models' dtype and the reference cache's fingerprint
+    follow (the tests replace it to run the bf16 path on a CPU)."""
     return "bf16" if device.type == "cuda" else "fp32"
 
 
