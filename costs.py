@@ -9,6 +9,7 @@ FLOP counter, then evaluated for a Llama-2-7B-sized GPT on 8 GPUs.
                                          # frontier); they land in out/compare/costs.{md,json}
 """
 import copy
+import gc
 import json
 import os
 import statistics
@@ -230,7 +231,9 @@ def timed_runs(cfg, d, say):
         rounds.append({})
         for name, run in jobs.items():
             say(f"[costs] timing round {r + 1}/{cfg.rounds}: {LABEL[name]}")
-            if cuda:
+            if cuda:  # the previous job's tensors freed and its cached blocks returned first
+                gc.collect()
+                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(d.device)
             t0 = time.perf_counter()
             run()

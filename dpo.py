@@ -28,18 +28,18 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import precompute
 import sft
 from evaluate import evaluate_policy, print_samples
-from model import (anatomy, estimate_flops, format_anatomy, load_model, matmul_shapes, model_flops,
-                   save_model)
+from model import (anatomy, estimate_flops, format_anatomy, freeze, load_model, matmul_shapes,
+                   model_flops, save_model)
 from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check, clock,
-                      init_distributed, lap, lr_at, measure_peak_flops, parse_config, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
-                      sync_grads, teardown)
+                      compile_metrics, init_distributed, lap, lr_at, measure_peak_flops,
+                      parse_config, precision, reduce_sums, require_stage, resume,
+                      save_checkpoint, split_batch, stop_if_not_finite, sync_grads, teardown,
+                      wrap)
 
 # ==== config
 
@@ -166,9 +166,9 @@ def main(cfg):
                           lambda: (precompute.main(pc), barrier(d)), precompute.command(pc), d,
                           log.print)
         ref_train = precompute.load_ref_logps(os.path.join(cfg.ref_logps, "train.safetensors"),
-                                              pc, "train", train)
+                                              pc, "train", train, d.device)
         ref_val = precompute.load_ref_logps(os.path.join(cfg.ref_logps, "val.safetensors"), pc,
-                                            "val", val)
+                                            "val", val, d.device)
 
     # ==== models resident in the training job
     # The policy starts as π_ref (Sec. 4: π_θ = π_ref at step 0). Eval mode for good: no dropout
@@ -180,10 +180,8 @@ def main(cfg):
           f"--max_len {cfg.max_len} > block_size {raw_model.config.block_size}")
     ref_model = None
     if cfg.ref == "live":  # what precompute removes: a second, frozen copy run forward every step
-        ref_model = load_model(cfg.ref_model, d.device)[0].eval().requires_grad_(False)
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    if d.world > 1:
-        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+        ref_model = freeze(load_model(cfg.ref_model, d.device)[0], precision(d.device) == "bf16")
+    model = wrap(raw_model, d, cfg.compile)  # DDP over the ranks, then torch.compile
 
     # ==== anatomy: what the job holds and what a token costs
     resident = {"policy": raw_model, **({"reference": ref_model} if ref_model is not None else {})}
@@ -288,6 +286,8 @@ def main(cfg):
                    "mfu": s["flops_model"] / (d.world * peak * dt),
                    "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
                    "time/step": 1000 * dt, **times}
+        if cfg.compile and step == start:  # this step compiled the model: its time is not a step's
+            metrics = compile_metrics(metrics, dt)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_loss"], metrics["val_accuracy"] = evaluate_pairs(
                 raw_model, ref_model, ref_val, val, cfg, d, tok.pad)
@@ -306,8 +306,9 @@ def main(cfg):
     # ==== evaluation and outputs
     val_loss, val_acc = evaluate_pairs(raw_model, ref_model, ref_val, val, cfg, d, tok.pad)
     # Sampling needs π_ref itself (its completions, and log π_ref of the policy's for the KL): the
-    # evaluation loads it; the training loop above never did in the default mode.
-    ref_eval = ref_model if ref_model is not None else load_model(cfg.ref_model, d.device)[0]
+    # evaluation loads it; the training loop above never did in the default mode (and --ref live's
+    # frozen copy may hold bf16 weights, which run only under autocast; sampling runs without).
+    ref_eval = load_model(cfg.ref_model, d.device)[0]
     ev = evaluate_policy(raw_model, ref_eval, tok, data.read_prompts(cfg.eval_prompts), d,
                          k=cfg.eval_k)
     if d.is_main:

@@ -51,8 +51,9 @@ def init_distributed():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     created = not dist.is_initialized()
-    if created:
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    if created:  # device_id binds nccl's communicator to this rank's GPU now, not at first use
+        dist.init_process_group(backend="nccl" if cuda else "gloo",
+                                device_id=device if cuda else None)
     return Dist(rank, local_rank, dist.get_world_size(), device, rank == 0, created)
 
 
@@ -82,13 +83,26 @@ def reduce_sums(d, **sums):
     return dict(zip(sums, all_reduce_sum(t, d).tolist()))
 
 
+def wrap(model, d, compile=False):
+    """The module the loop calls: DDP over the ranks (the model itself in one process), then, with
+    compile, torch.compile of that DDP module, in PyTorch's recommended order: DDP's graph is then
+    split at its gradient buckets, so each bucket's all-reduce overlaps the rest of the backward
+    (DDP around a compiled module all-reduces only after it). dynamic=True: batches are padded to
+    their longest row, so T changes from batch to batch; one compile with symbolic shapes, not one
+    per length. Keep the unwrapped model for generation, scoring and saving."""
+    if d.world > 1:
+        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    return torch.compile(model, dynamic=True) if compile else model
+
+
 def sync_grads(model, sync):
     """The context of one micro-step, forward and backward inside it. With sync=False, DDP skips its
     gradient all-reduce (no_sync): the micro-batches' gradients add up on each rank and are reduced
     once, on the last micro-step (sync=True). A no-op for an unwrapped model."""
-    if sync or not isinstance(model, DDP):
+    ddp = getattr(model, "_orig_mod", model)  # torch.compile's wrapper holds the DDP module
+    if sync or not isinstance(ddp, DDP):
         return contextlib.nullcontext()
-    return model.no_sync()
+    return ddp.no_sync()
 
 
 def main_decides(flag, d):
@@ -329,10 +343,19 @@ def lr_at(step, total, lr, warmup, min_lr_frac=0.1):
     return lr * (min_lr_frac + (1 - min_lr_frac) * cosine)
 
 
+def precision(device):
+    """The forwards' precision on this device: "bf16" (under bf16 autocast) on CUDA, "fp32" on the
+    CPU. The one rule that autocast, the frozen models' dtype and the reference cache's fingerprint
+    follow (the tests replace it to run the bf16 path on a CPU)."""
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
 def autocast(device):
-    """bf16 autocast on CUDA (matmuls in bf16, reductions in fp32); plain fp32 on the CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    """bf16 autocast where precision(device) says so (matmuls in bf16, reductions and the LM head in
+    fp32); plain fp32 otherwise. Forward only: backward() runs outside it, in the dtypes the forward
+    chose."""
+    if precision(device) == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -385,6 +408,15 @@ def measure_peak_flops(device, shapes, seconds=0.1):
         torch.cuda.empty_cache()
     PEAKS[key] = best
     return best
+
+
+def compile_metrics(metrics, dt):
+    """The metrics of a compiled run's first step, which compiled the forward and the backward
+    (tens of seconds on a GPU): its wall time is the compiler's, so its step time, phase times,
+    throughput and MFU are replaced by time/compile (ms), and no reported step time includes it."""
+    timed = ("time/", "share/", "tokens_per_sec", "mfu")
+    return {**{k: v for k, v in metrics.items() if not k.startswith(timed)},
+            "time/compile": 1000 * dt}
 
 
 def clock(d):

@@ -26,18 +26,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import reward
 import sft
 from evaluate import evaluate_policy, print_samples
-from model import (anatomy, estimate_flops, format_anatomy, generate, generate_flops, matmul_shapes,
-                   model_flops, save_model, sequence_logprobs)
+from model import (anatomy, estimate_flops, format_anatomy, freeze, generate, generate_flops,
+                   matmul_shapes, model_flops, save_model, sequence_logprobs)
 from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, clock,
-                      init_distributed, lap, lr_at, measure_peak_flops, parse_config, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
-                      sync_grads, teardown)
+                      compile_metrics, init_distributed, lap, lr_at, measure_peak_flops,
+                      parse_config, precision, reduce_sums, require_stage, resume,
+                      save_checkpoint, split_batch, stop_if_not_finite, sync_grads, teardown,
+                      wrap)
 
 # ==== config
 
@@ -74,6 +74,7 @@ class Config:
     eval_k: int = 4  # completions per held-out prompt in the final evaluation
     ckpt_every: int = 10  # iterations between checkpoints (and one at the end)
     seed: int = 1337  # prompt order, sampling, minibatch order
+    compile: bool = False  # torch.compile the trainer, policy and critic (worth it on CUDA)
     resume: bool = True  # continue from out_dir/ckpt if it holds this same config
     stop_after: int = 0  # stop after this many iterations, checkpointed (0 = run to the end)
 
@@ -239,24 +240,23 @@ def main(cfg):
     # ==== models resident in the training job
     # InstructGPT's five: the policy and the critic train; π_ref, r_φ and the rollout engine's copy
     # of the policy only run forward. The critic starts from r_φ (Ouyang et al. 2022 sec. 3.5).
+    # The frozen ones hold bf16 matmul weights under bf16 autocast (model.freeze: the same outputs).
+    bf16 = precision(d.device) == "bf16"
     policy, _ = reward.load_trunk(cfg.sft, "lm", d.device)
-    ref = reward.load_trunk(cfg.sft, "lm", d.device)[0].eval().requires_grad_(False)
+    ref = freeze(reward.load_trunk(cfg.sft, "lm", d.device)[0], bf16)
     critic, rm_meta = reward.load_trunk(cfg.reward_model, "scalar", d.device)
     rm = None  # PPO-GT scores with a Python function: no reward model resident
     if cfg.reward == "model":
-        rm = reward.load_trunk(cfg.reward_model, "scalar", d.device)[0]
-        rm.eval().requires_grad_(False)
-    # The rollout engine: an inference copy of the policy, in bf16 on CUDA (as vLLM serves it),
-    # refreshed by broadcast_weights after every iteration's updates
-    rollout = copy.deepcopy(policy).to(torch.bfloat16 if d.device.type == "cuda" else torch.float32)
+        rm = freeze(reward.load_trunk(cfg.reward_model, "scalar", d.device)[0], bf16)
+    # The rollout engine: an inference copy of the policy, all bf16 under bf16 autocast (as vLLM
+    # serves it), refreshed by broadcast_weights after every iteration's updates
+    rollout = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32)
     rollout.eval().requires_grad_(False)
     T = policy.config.block_size
     check(cfg.max_prompt_len < T,
           f"--max_prompt_len {cfg.max_prompt_len} leaves no room in the {T}-token block")
     pv = PolicyAndValue(policy, critic)
-    model = pv
-    if d.world > 1:
-        model = DDP(pv, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    model = wrap(pv, d, cfg.compile)  # DDP over the ranks, then torch.compile
 
     # ==== anatomy: what the job holds and what a token costs
     resident = {"policy": policy, "critic": critic, "reference": ref,
@@ -280,7 +280,7 @@ def main(cfg):
     opt = torch.optim.AdamW(pv.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     start, state = resume(ckpt_dir, cfg, {"policy": policy, "critic": critic, "optim": opt},
-                          d.device, log.print, free=("resume", "stop_after", "eval_k"))
+                          d.device, log.print, free=("resume", "stop_after", "eval_k", "compile"))
     kl_coef = state.get("kl_coef", cfg.kl_coef)
     if start:
         broadcast_weights(policy, rollout, d)  # the rollout engine resumes with the restored policy
@@ -295,6 +295,7 @@ def main(cfg):
     # ==== training loop
     end = cfg.iterations if not cfg.stop_after else min(cfg.iterations, start + cfg.stop_after)
     shares = dict.fromkeys(PHASES, 0.0)
+    timed = end - start - (1 if cfg.compile else 0)  # a compiled run's first iteration compiles
     for it in range(start, end):
         times = {"t": clock(d)}
         t_iter = times["t"]
@@ -464,11 +465,13 @@ def main(cfg):
                    "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
                    "time/iteration": 1000 * dt, **times,
                    **{f"share/{k}": times[f"time/{k}"] / (1000 * dt) for k in PHASES}}
+        if cfg.compile and it == start:  # this iteration compiled the trainer: not a timing
+            metrics = compile_metrics(metrics, dt)
         log.log(it + 1, cfg.iterations, metrics, show=("score", "true_reward", "kl", "entropy",
                                                        "clipfrac", "approx_kl", "response_len",
                                                        "time/iteration"))
-        for k in PHASES:
-            shares[k] += metrics[f"share/{k}"] / (end - start)
+        for k in PHASES:  # the mean over the timed iterations
+            shares[k] += metrics.get(f"share/{k}", 0.0) / max(timed, 1)
         if cfg.adaptive_kl:
             kl_coef = adaptive_kl_coef(kl_coef, metrics["kl"], cfg.kl_target, cfg.kl_horizon,
                                        cfg.rollout_batch)
@@ -482,9 +485,12 @@ def main(cfg):
         return teardown(d)
 
     # ==== evaluation and outputs
+    # against π_ref's own fp32 copy: the frozen one may hold bf16 weights, which run only under
+    # autocast, and sampling runs without
+    ref = reward.load_trunk(cfg.sft, "lm", d.device)[0]
     ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k)
     if d.is_main:
-        if end > start:
+        if timed > 0:
             log.print("share of an iteration: "
                       + " | ".join(f"{k} {v:.1%}" for k, v in shares.items()))
         save_model(policy, os.path.join(cfg.out_dir, "model.safetensors"),

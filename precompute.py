@@ -25,8 +25,9 @@ from safetensors.torch import load_file, save_file
 
 import data
 import sft
-from model import estimate_flops, load_model, model_flops, sequence_logprobs
-from plumbing import all_reduce_sum, autocast, barrier, check, init_distributed, parse_config, require_stage, teardown
+from model import estimate_flops, freeze, load_model, model_flops, sequence_logprobs
+from plumbing import (all_reduce_sum, autocast, barrier, check, init_distributed, parse_config,
+                      precision, require_stage, teardown)
 
 
 @dataclass
@@ -48,7 +49,9 @@ MODEL_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py"
 CHANGED = {"ref_model_sha256": "the reference weights", "tokenizer_sha256": "the tokenizer",
            "pairs_sha256": "the pairs file", "max_len": "--max_len", "max_prompt_len": "--max_prompt_len",
            "truncation": "the truncation rule", "reduction": "the log-prob reduction",
-           "tokens_sha256": "the token ids (tokenizer, truncation or data code)", "model_code_sha256": "model.py"}
+           "tokens_sha256": "the token ids (tokenizer, truncation or data code)",
+           "model_code_sha256": "model.py", "precision": "the precision",
+           "device": "the device type"}
 
 
 def sha256(path):
@@ -63,16 +66,20 @@ def tokenizer_path(ref_model):
     return os.path.join(os.path.dirname(ref_model), "tokenizer.json")
 
 
-def fingerprint(cfg, split, examples):
+def fingerprint(cfg, split, examples, device):
     """Everything that determines the cached numbers of `split` ("train" or "val"): DESIGN.md's list,
     which names what changed, and two exact checks whatever the cause: the hash of the token ids fed
-    to π_ref (examples from data.tokenize_pairs) and of the code that turns weights into log-probs."""
+    to π_ref (examples from data.tokenize_pairs) and of the code that turns weights into log-probs.
+    And the precision and device type the numbers were computed in: bf16 log-probs differ from fp32
+    ones by 0.001 nats per response (max 0.006), enough that a bf16 policy at step 0 would not equal
+    π_ref (on the task: reward accuracy 0.42 at step 1 instead of 0)."""
     pairs = cfg.train_pairs if split == "train" else cfg.val_pairs
     ids = hashlib.sha256(json.dumps([[e["index"], e["prompt"], e["chosen"], e["rejected"]] for e in examples]).encode())
     return {"ref_model_sha256": sha256(cfg.ref_model), "tokenizer_sha256": sha256(tokenizer_path(cfg.ref_model)),
             "pairs_sha256": sha256(pairs), "max_len": cfg.max_len, "max_prompt_len": cfg.max_prompt_len,
             "truncation": TRUNCATION, "reduction": REDUCTION, "tokens_sha256": ids.hexdigest(),
-            "model_code_sha256": sha256(MODEL_CODE)}
+            "model_code_sha256": sha256(MODEL_CODE), "precision": precision(device),
+            "device": device.type}
 
 
 def command(cfg):
@@ -136,13 +143,14 @@ def save_ref_logps(path, logps, fp, stats, cost):
     os.replace(path + ".tmp", path)
 
 
-def load_ref_logps(path, cfg, split, examples):
+def load_ref_logps(path, cfg, split, examples, device):
     """(2, N) fp32 [chosen; rejected] from a cache file, after checking that it was computed from the
-    inputs in cfg (a precompute Config) and covers every example; anything else stops the run and
-    says what changed and how to rebuild."""
+    inputs in cfg (a precompute Config), on this type of device in its precision, and covers every
+    example; anything else stops the run and says what changed and how to rebuild."""
     with safe_open(path, "pt") as f:
         found = json.loads((f.metadata() or {}).get("fingerprint", "{}"))
-    want, short = fingerprint(cfg, split, examples), lambda v: v[:12] if isinstance(v, str) and len(v) == 64 else v
+    want = fingerprint(cfg, split, examples, device)
+    short = lambda v: v[:12] if isinstance(v, str) and len(v) == 64 else v  # noqa: E731
     changed = [k for k, v in want.items() if found.get(k) != v]
     changed = [k for k in changed if k != "tokens_sha256" or len(changed) == 1]  # the catch-all: only if nothing else says
     changed = [f"{CHANGED.get(k, k)} ({short(found.get(k))} -> {short(want[k])})" for k in changed]
@@ -168,7 +176,7 @@ def main(cfg):
     log = lambda *a: print(*a, flush=True) if d.is_main else None
     require_inputs(cfg, d, log)
     tok = data.load_tokenizer(tokenizer_path(cfg.ref_model))
-    model, _ = load_model(cfg.ref_model, d.device)
+    model = freeze(load_model(cfg.ref_model, d.device)[0], precision(d.device) == "bf16")
     check(cfg.max_len <= model.config.block_size, f"--max_len {cfg.max_len} > π_ref's block_size {model.config.block_size}")
     if d.is_main:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -180,7 +188,7 @@ def main(cfg):
         cost.update(wall_s=time.perf_counter() - t0, world=d.world, device=str(d.device))
         path = os.path.join(cfg.out_dir, f"{split}.safetensors")
         if d.is_main:
-            save_ref_logps(path, logps, fingerprint(cfg, split, examples), stats, cost)
+            save_ref_logps(path, logps, fingerprint(cfg, split, examples, d.device), stats, cost)
         log(f"{path}: {len(examples)} pairs of {len(rows)} rows ({stats['truncated_prompt']} prompts and "
             f"{stats['truncated_response']} responses truncated, {stats['unusable']} unusable) | "
             f"{cost['tokens']} tokens ({cost['positions']} positions with padding) | "

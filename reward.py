@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import sft
@@ -29,7 +28,7 @@ from model import GPT, estimate_flops, generate, matmul_shapes, model_flops, rea
 from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check,
                       init_distributed, lr_at, measure_peak_flops, parse_config, reduce_sums,
                       require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
-                      sync_grads, teardown)
+                      sync_grads, teardown, wrap)
 
 
 @dataclass
@@ -191,9 +190,7 @@ def main(cfg):
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print)
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
-    model = raw_model
-    if d.world > 1:
-        model = DDP(raw_model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    model = wrap(raw_model, d)  # DDP over the ranks
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     mb = cfg.batch_size // d.world // accum
     peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * block))

@@ -15,15 +15,14 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 from model import (GPT, GPTConfig, estimate_flops, import_gpt2, matmul_shapes, model_flops,
                    save_model, sequence_logprobs)
 from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check,
-                      init_distributed, lr_at, measure_peak_flops, parse_config, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
-                      sync_grads, teardown)
+                      compile_metrics, init_distributed, lr_at, measure_peak_flops, parse_config,
+                      reduce_sums, require_stage, resume, save_checkpoint, split_batch,
+                      stop_if_not_finite, sync_grads, teardown, wrap)
 
 
 @dataclass
@@ -118,9 +117,7 @@ def main(cfg):
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print)
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    if d.world > 1:
-        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    model = wrap(raw_model, d, cfg.compile)  # DDP over the ranks, then torch.compile
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     mb = cfg.batch_size // d.world // accum
     peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, mb * cfg.block_size))
@@ -165,6 +162,8 @@ def main(cfg):
                    "mfu": s["flops_model"] / (d.world * peak * dt),
                    "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
                    "time/step": 1000 * dt}
+        if cfg.compile and step == start:  # this step compiled the model: its time is not a step's
+            metrics = compile_metrics(metrics, dt)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_loss"] = val_loss(model, val, cfg, d, tok.pad)
         if (step + 1) % 10 == 0 or "val_loss" in metrics or step == 0:
