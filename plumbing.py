@@ -243,8 +243,8 @@ def prepare_outputs(folders, d, log):
             with tempfile.TemporaryFile(dir=folder):
                 pass
         except OSError as e:
-            msg = (f"{folder} is not a writable folder ({e.strerror}: {e.filename}): fix its "
-                   f"permissions, or pick another {flag}")
+            msg = (f"{folder} is not a writable folder ({e.strerror}): fix its permissions, or "
+                   f"pick another {flag}")
             break
         remove_stale_temp_files(folder, log)
     if not main_decides(msg is None, d):
