@@ -496,7 +496,13 @@ def resume(ckpt_dir, cfg, parts, device, log, inputs, free=("resume", "stop_afte
     checkpoint's state as "inputs"): fills `parts` and returns (step, state). Anything else stops
     the run and names what differs, rather than silently mixing two runs (a π_ref retrained, a data
     file edited since the checkpoint). (0, {}) with no checkpoint or with --no-resume."""
-    saved = checkpoint_state(ckpt_dir) if cfg.resume else None
+    # our writes are atomic, but a file damaged or edited outside this code is one error line too
+    damaged = (f"{ckpt_dir} holds a checkpoint that cannot be read ({{}}); pass --no-resume to "
+               "start over, or another --out_dir")
+    try:
+        saved = checkpoint_state(ckpt_dir) if cfg.resume else None
+    except Exception as e:
+        raise SystemExit("error: " + damaged.format(e)) from None
     if saved is None:
         return 0, {}
     ours = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
@@ -517,6 +523,9 @@ def resume(ckpt_dir, cfg, parts, device, log, inputs, free=("resume", "stop_afte
     check(not changed, f"{ckpt_dir} holds a run trained from other inputs, changed since: "
           f"{'; '.join(changed)}. Pass --no-resume to start over from these inputs, or another "
           "--out_dir (or put the old files back to resume)")
-    step, state = load_checkpoint(ckpt_dir, parts, device)
+    try:
+        step, state = load_checkpoint(ckpt_dir, parts, device)
+    except Exception as e:
+        raise SystemExit("error: " + damaged.format(e)) from None
     log(f"resuming from {ckpt_dir} at step {step}")
     return step, state

@@ -147,8 +147,13 @@ def load_ref_logps(path, cfg, split, examples):
     """(2, N) fp32 [chosen; rejected] from a cache file, after checking that it was computed from
     the inputs in cfg (a precompute Config) and covers every example; anything else stops the run
     and says what changed and how to rebuild."""
-    with safe_open(path, "pt") as f:
-        found = json.loads((f.metadata() or {}).get("fingerprint", "{}"))
+    try:  # written atomically here; damaged or edited outside this code: one error line
+        with safe_open(path, "pt") as f:
+            found = json.loads((f.metadata() or {}).get("fingerprint", "{}"))
+        t = load_file(path)
+    except Exception as e:
+        raise SystemExit(f"error: {path} cannot be read ({e}); rebuild it with: "
+                         f"{command(cfg)}") from None
     want = fingerprint(cfg, split, examples)
     short = lambda v: v[:12] if isinstance(v, str) and len(v) == 64 else v  # noqa: E731
     changed = [k for k, v in want.items() if found.get(k) != v]
@@ -157,7 +162,6 @@ def load_ref_logps(path, cfg, split, examples):
     changed = [f"{CHANGED.get(k, k)} ({short(found.get(k))} -> {short(want[k])})" for k in changed]
     check(not changed, f"{path} is stale, computed for other inputs: {'; '.join(changed)}. "
           f"Rebuild it with: {command(cfg)}")
-    t = load_file(path)
     logps = torch.stack([t["chosen"], t["rejected"]])
     left = [e["index"] for e in examples if not torch.isfinite(logps[:, e["index"]]).all()]
     check(not left, f"{path} has no values for {len(left)} examples (e.g. rows {left[:5]}); "

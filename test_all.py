@@ -1482,6 +1482,15 @@ def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tmp_path):
     plumbing.save_checkpoint(ckpt, 4, {"model": net}, {"config": asdict(cfg)})  # an older version's
     with pytest.raises(SystemExit, match="records no fingerprint of its inputs"):
         plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)
+    # files damaged outside this code (its own writes are atomic): one error line, no traceback
+    step = tmp_path / "step-0000004.safetensors"
+    step.write_bytes(step.read_bytes()[:100])
+    (tmp_path / "latest.json").write_text("{garbage")
+    for damaged in ("latest.json", "step-0000004.safetensors"):
+        with pytest.raises(SystemExit, match=r"holds a checkpoint that cannot be read \(.*\); pass "
+                                             "--no-resume"):
+            plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)
+        (tmp_path / "latest.json").write_text(json.dumps({"file": step.name, "step": 4}))
 
 
 def test_dpo_refuses_to_resume_after_its_inputs_changed(tiny, dpo_cache, tmp_path):  # noqa: F811
@@ -1509,6 +1518,11 @@ def test_dpo_refuses_to_resume_after_its_inputs_changed(tiny, dpo_cache, tmp_pat
         dpo.main(cfg)
     dpo.main(replace(cfg, resume=False))  # what the message says to do
     assert [m["step"] for m in dpo_metrics(cfg.out_dir)] == [1]
+    cache = tmp_path / "cache" / "train.safetensors"  # damaged outside this code
+    cache.write_bytes(cache.read_bytes()[:100])
+    with pytest.raises(SystemExit, match=r"train.safetensors cannot be read \(.*\); rebuild it "
+                                         "with: python precompute.py --out_dir"):
+        dpo.main(cfg)
 
 
 def test_a_val_file_without_a_usable_pair_is_refused_before_training(tiny, dpo_cache,  # noqa: F811
