@@ -243,8 +243,8 @@ def prepare_outputs(folders, d, log):
             with tempfile.TemporaryFile(dir=folder):
                 pass
         except OSError as e:
-            msg = (f"{folder} is not a writable folder ({e.strerror}): fix its permissions, or "
-                   f"pick another {flag}")
+            msg = (f"cannot write in {folder} ({e.strerror}): pick another {flag}, or make it a "
+                   "writable folder")
             break
         remove_stale_temp_files(folder, log)
     if not main_decides(msg is None, d):
@@ -310,8 +310,9 @@ def save_checkpoint(ckpt_dir, step, parts, state):
         else:
             tensors.update({f"{name}/{k}": v for k, v in unique_state(obj).items()})
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not v.isfinite().all()]
-    check(not bad, f"non-finite values in {', '.join(bad[:3])} at step {step}: not saved; the "
-          f"last good checkpoint is kept: {last_checkpoint(ckpt_dir)}")
+    if bad:
+        raise SystemExit(f"error: non-finite values in {', '.join(bad[:3])} at step {step}: not "
+                         f"saved; the last good checkpoint is kept: {last_checkpoint(ckpt_dir)}")
     fname = f"step-{step:07d}.safetensors"
     save_safetensors(tensors, os.path.join(ckpt_dir, fname), {"json": json.dumps(meta)})
     atomic_write_json(os.path.join(ckpt_dir, "latest.json"), {"file": fname, "step": step})
@@ -342,7 +343,11 @@ def check_finite_weights(module, path):
 
 
 def last_checkpoint(ckpt_dir):
-    last = checkpoint_state(ckpt_dir)
+    """Where the last checkpoint is, said when a run stops."""
+    try:
+        last = checkpoint_state(ckpt_dir)
+    except Exception as e:  # damaged outside this code (see resume)
+        return f"{ckpt_dir}, which cannot be read ({e})"
     return f"{ckpt_dir} at step {last['step']}" if last else "none (no checkpoint was written yet)"
 
 

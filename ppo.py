@@ -228,6 +228,8 @@ def main(cfg):
     for path, default in [(cfg.prompts, Config.prompts), (cfg.eval_prompts, Config.eval_prompts)]:
         require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log.print)
     tok_path = os.path.join(os.path.dirname(cfg.sft), "tokenizer.json")
+    check(os.path.exists(tok_path), f"{tok_path} does not exist: π_ref's tokenizer is read from "
+          "the folder of --sft")
     tok = data.load_tokenizer(tok_path)
     texts = data.read_prompts(cfg.prompts)
     K = cfg.max_prompt_len

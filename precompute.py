@@ -174,6 +174,8 @@ def require_inputs(cfg, d, log):
     # sft.main returns on every rank as soon as the collectives end: wait for rank 0's file too
     require_stage(cfg.ref_model, Config.ref_model, lambda: (sft.main(sft.Config()), barrier(d)),
                   "python sft.py", d, log)
+    check(os.path.exists(tokenizer_path(cfg.ref_model)), f"{tokenizer_path(cfg.ref_model)} does "
+          "not exist: π_ref's tokenizer is read from the folder of --ref_model")
     for path, default in [(cfg.train_pairs, Config.train_pairs),
                           (cfg.val_pairs, Config.val_pairs)]:
         require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log)

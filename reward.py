@@ -174,6 +174,8 @@ def main(cfg):
                           (cfg.prompts, Config.prompts)]:
         require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log.print)
     tok_path = os.path.join(os.path.dirname(cfg.sft), "tokenizer.json")
+    check(os.path.exists(tok_path), f"{tok_path} does not exist: π_ref's tokenizer is read from "
+          "the folder of --sft")
     tok = data.load_tokenizer(tok_path)
     raw_model, _ = load_trunk(cfg.sft, "scalar", d.device)
     block = raw_model.config.block_size

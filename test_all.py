@@ -1459,6 +1459,20 @@ def test_a_non_finite_reference_is_named_as_the_cause(tiny, dpo_cache, tmp_path)
         precompute.main(pc)
 
 
+def test_a_reference_without_its_tokenizer_is_named(tiny, tmp_path):
+    os.makedirs(tmp_path / "ref")
+    shutil.copyfile(f"{tiny.sft}/model.safetensors", tmp_path / "ref" / "model.safetensors")
+    pairs = f"{tiny.task}/pairs_val.jsonl"
+    says = "ref/tokenizer.json does not exist: π_ref's tokenizer is read from the folder of --"
+    with pytest.raises(SystemExit, match=says + "ref_model"):  # and so dpo.py
+        precompute.main(precompute.Config(out_dir=str(tmp_path / "cache"), train_pairs=pairs,
+                                          ref_model=str(tmp_path / "ref" / "model.safetensors"),
+                                          val_pairs=pairs))
+    with pytest.raises(SystemExit, match=says + "sft"):
+        reward.main(tiny_reward_config(tiny, tmp_path / "reward", train_pairs=pairs,
+                                       val_pairs=pairs, sft=str(tmp_path / "ref" / "model.safetensors")))
+
+
 def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tmp_path):
     ckpt, cfg, net = str(tmp_path), sft.Config(out_dir=str(tmp_path)), torch.nn.Linear(2, 2)
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
@@ -1491,6 +1505,8 @@ def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tmp_path):
                                              "--no-resume"):
             plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)
         (tmp_path / "latest.json").write_text(json.dumps({"file": step.name, "step": 4}))
+    plumbing.save_checkpoint(ckpt, 5, {"model": net}, {})  # --no-resume writes over a damaged one
+    assert sorted(os.listdir(ckpt))[-2:] == ["latest.json", "step-0000005.safetensors"]
 
 
 def test_dpo_refuses_to_resume_after_its_inputs_changed(tiny, dpo_cache, tmp_path):  # noqa: F811
@@ -1614,7 +1630,8 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tiny, dpo_ca
                                          "pick another --ref_logps"):
         dpo.main(dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo2"), ref_logps=in_the_way))
     # a folder under a file cannot be created
-    with pytest.raises(SystemExit, match=r"a_file/sub is not a writable folder \(Not a directory"):
+    with pytest.raises(SystemExit, match=r"cannot write in .*a_file/sub \(Not a directory\): pick "
+                                         "another --out_dir"):
         precompute.main(dpo_pcfg(tiny, out=str(tmp_path / "a_file" / "sub")))
 
 
