@@ -1470,7 +1470,8 @@ def test_a_reference_without_its_tokenizer_is_named(tiny, tmp_path):
                                           val_pairs=pairs))
     with pytest.raises(SystemExit, match=says + "sft"):
         reward.main(tiny_reward_config(tiny, tmp_path / "reward", train_pairs=pairs,
-                                       val_pairs=pairs, sft=str(tmp_path / "ref" / "model.safetensors")))
+                                       val_pairs=pairs,
+                                       sft=str(tmp_path / "ref" / "model.safetensors")))
 
 
 def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tmp_path):
