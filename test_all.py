@@ -1542,6 +1542,18 @@ def test_dpo_refuses_to_resume_after_its_inputs_changed(tiny, dpo_cache, tmp_pat
         dpo.main(cfg)
 
 
+def test_ppo_refuses_to_resume_after_its_prompts_changed(tiny, tiny_rm, tmp_path):  # noqa: F811
+    lines = open(f"{tiny.task}/prompts_train.jsonl").readlines()[:32]
+    (tmp_path / "prompts.jsonl").write_text("".join(lines))
+    cfg = replace(tiny_ppo_config(tiny, str(tiny_rm / "model.safetensors"), tmp_path / "ppo",
+                                  str(tmp_path / "prompts.jsonl"), stop_after=1),
+                  prompts=str(tmp_path / "prompts.jsonl"))
+    ppo.main(cfg)
+    (tmp_path / "prompts.jsonl").write_text("".join(lines[:16]))
+    with pytest.raises(SystemExit, match=r"changed since: --prompts .*prompts.jsonl \(sha256"):
+        ppo.main(cfg)
+
+
 def test_a_val_file_without_a_usable_pair_is_refused_before_training(tiny, dpo_cache,  # noqa: F811
                                                                      tmp_path):
     # every row's two responses differ only after 64 tokens: once cut, they are identical
