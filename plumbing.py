@@ -363,14 +363,17 @@ def stop_if_not_finite(values, where, ckpt_dir, hint):
                      f"good checkpoint is kept: {last_checkpoint(ckpt_dir)}. {hint}")
 
 
-# A finite divergence (dpo.py --lr 30: loss 0.69, then 310 at step 2, 1.4e4 at step 4) is stopped
-# like a NaN. The rule for the trainers of a loss (sft, reward, dpo): a step's training loss above
-# DIVERGED x the loss of the run's first step. That first loss is the model before any update:
-# sft's near-uniform guess (about ln V), and log 2 for reward and DPO (r_φ = 0, π = π_ref), so the
-# bound is a mean -log σ(margin) of 69 nats. Measured on the built-in task: spikes of up to 18x
-# (dpo --lr 3e-2) and 4x (sft --lr 1) came back down; --lr 30 went 450x (dpo), 830x (reward) and
-# 1e5x (sft) within 10 steps. ppo.py bounds approx_kl instead (its losses start near 0).
-DIVERGED = 100
+# A finite divergence (dpo.py --lr 30: loss 0.69, then 3.7e3 at step 2) is stopped like a NaN. The
+# rule for the trainers of a loss (sft, reward, dpo): a step's training loss above DIVERGED x the
+# loss of the run's first step, the model before any update: sft's near-uniform guess (about ln V),
+# log 2 for reward and DPO (r_φ = 0, π = π_ref). Updates that make the model's own batches 10x
+# worse than no training at all have left any stable regime. Measured on the built-in task, tiny
+# model: dpo --lr 1e-2 (33x the default) peaks at 6.7x and trains well; sft --lr 3 reached 28x and
+# finished with a val loss of 35 nats/token (guessing uniformly: 6.2), saved without a word at 100x;
+# a spike of 18x at dpo --lr 3e-2 came back down (this rule stops it: lower the lr); --lr 30 goes
+# 450x (dpo), 830x (reward), 240x (sft) within 3 steps. ppo.py bounds approx_kl instead (its
+# losses start near 0).
+DIVERGED = 10
 
 
 def stop_if_diverged(name, value, limit, rule, where, ckpt_dir, hint):

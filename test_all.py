@@ -1651,13 +1651,13 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tiny, dpo_ca
 def test_finite_divergence_stops_every_trainer(tiny, dpo_cache, tiny_rm, tmp_path):  # noqa: F811
     # dpo.py --lr 30, as in the issue: the loss goes from log 2 to ~3e4 at step 2, all finite
     cfg = dpo_cfg(tiny, "dpo-diverged", lr=30.0)
-    with pytest.raises(SystemExit, match=r"diverged: loss .* at step 2 is above 69.31 \(100x the "
+    with pytest.raises(SystemExit, match=r"diverged: loss .* at step 2 is above 6.931 \(10x the "
                                          r"first step's 0.6931\)"):
         dpo.main(cfg)
     assert not os.path.exists(os.path.join(cfg.out_dir, "model.safetensors"))
-    with pytest.raises(SystemExit, match=r"diverged: loss .* at step \d is above .* \(100x the "):
+    with pytest.raises(SystemExit, match=r"diverged: loss .* at step \d is above .* \(10x the "):
         sft.main(sft.Config(**sft_args(tiny, tmp_path / "sft", steps=6, lr=30.0)))
-    with pytest.raises(SystemExit, match=r"diverged: loss .* at step \d is above 69.31 \(100x "):
+    with pytest.raises(SystemExit, match=r"diverged: loss .* at step \d is above 6.931 \(10x "):
         reward.main(tiny_reward_config(tiny, tmp_path / "reward", steps=6, lr=30.0, warmup=1))
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text(json.dumps({"prompt": "the movie is"}) + "\n")
