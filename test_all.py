@@ -540,30 +540,30 @@ def test_tokenize_pairs_truncation_rule(tok):
     assert (len(x), len(ys), len(yl)) == (6, 6, 13) and x[0] == tok.eos and yl[-1] == tok.eos
     ex, st = data.tokenize_pairs(tok, rows, max_len=19, max_prompt_len=4)    # 6 + 13 fits
     assert ex == [dict(index=0, prompt=x, chosen=ys, rejected=yl)]
-    assert st == dict(rows=1, truncated_prompt=0, truncated_response=0, unusable=0, chosen_lost_eos=0,
-                      rejected_lost_eos=0)
+    assert st == dict(rows=1, truncated_prompt=0, truncated_response=0, unusable=0,
+                      chosen_lost_eos=0, rejected_lost_eos=0)
     # too long by 3: the prompt gives up 3 tokens (it may: max(16 - 13, 2) = 3 >= 2), keeping its BOS
     ex, st = data.tokenize_pairs(tok, rows, max_len=16, max_prompt_len=2)
     assert ex[0]["prompt"] == [tok.eos] + x[-2:] and ex[0]["rejected"] == yl and ex[0]["chosen"] == ys
-    assert st == dict(rows=1, truncated_prompt=1, truncated_response=0, unusable=0, chosen_lost_eos=0,
-                      rejected_lost_eos=0)
+    assert st == dict(rows=1, truncated_prompt=1, truncated_response=0, unusable=0,
+                      chosen_lost_eos=0, rejected_lost_eos=0)
     # max_prompt_len 5 stops the prompt at 5 tokens; the longer response is cut to 16 - 5 = 11 (no EOS)
     ex, st = data.tokenize_pairs(tok, rows, max_len=16, max_prompt_len=5)
     assert ex[0]["prompt"] == [tok.eos] + x[-4:] and ex[0]["rejected"] == yl[:11] and ex[0]["chosen"] == ys
-    assert st == dict(rows=1, truncated_prompt=1, truncated_response=1, unusable=0, chosen_lost_eos=0,
-                      rejected_lost_eos=1)  # the longer one, cut, lost its EOS
+    assert st == dict(rows=1, truncated_prompt=1, truncated_response=1, unusable=0,
+                      chosen_lost_eos=0, rejected_lost_eos=1)  # the longer one, cut, lost its EOS
     # a prompt already short enough is kept whole and the responses are cut
     ex, st = data.tokenize_pairs(tok, rows, max_len=12, max_prompt_len=8)
     assert ex[0]["prompt"] == x and ex[0]["rejected"] == yl[:6] and ex[0]["chosen"] == ys
-    assert st == dict(rows=1, truncated_prompt=0, truncated_response=1, unusable=0, chosen_lost_eos=0,
-                      rejected_lost_eos=1)
+    assert st == dict(rows=1, truncated_prompt=0, truncated_response=1, unusable=0,
+                      chosen_lost_eos=0, rejected_lost_eos=1)
     # responses that differ only past the cut become identical: unusable, left out, counted; the
     # other rows keep their original index
     same = dict(prompt=prompt, chosen=long + " the plot is great .", rejected=long + " it felt fine .")
     ex, st = data.tokenize_pairs(tok, [rows[0], same, rows[0]], max_len=16, max_prompt_len=5)
     assert [e["index"] for e in ex] == [0, 2]
-    assert st == dict(rows=3, truncated_prompt=3, truncated_response=3, unusable=1, chosen_lost_eos=0,
-                      rejected_lost_eos=2)  # counted over the usable pairs
+    assert st == dict(rows=3, truncated_prompt=3, truncated_response=3, unusable=1,
+                      chosen_lost_eos=0, rejected_lost_eos=2)  # counted over the usable pairs
     with pytest.raises(AssertionError, match="max_prompt_len"):
         data.tokenize_pairs(tok, rows, max_len=8, max_prompt_len=8)
 
