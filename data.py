@@ -439,7 +439,34 @@ def tokenize_pairs(tok, rows, max_len, max_prompt_len):
             stats["unusable"] += 1
             continue
         examples.append(dict(index=i, prompt=x, chosen=yc, rejected=yr))
+    # stats["chosen_lost_eos"], stats["rejected_lost_eos"]: usable pairs whose chosen (rejected)
+    # response was cut, so lost its EOS; counted per side, as an uneven cut is learned
+    for k in ("chosen", "rejected"):
+        stats[f"{k}_lost_eos"] = sum(e[k][-1] != tok.eos for e in examples)
     return examples, stats
+
+# truncation_warning speaks when more than this fraction of the rows lose tokens
+HEAVY_CUT = 0.05
+
+def truncation_warning(stats, path, max_len, fix):
+    """A loud warning from tokenize_pairs' stats, "" when there is nothing to say. Heavy: more than
+    HEAVY_CUT of the rows have their prompt, or a response, cut. Uneven: the c chosen and r rejected
+    responses that lost their EOS differ by more than 2·sqrt(c + r), two standard deviations of a
+    fair split of c + r cut responses between the sides. A cut response is one that never ended,
+    and training learns whatever the cut favours: where chosen responses are the longer ones
+    (helpful answers), DPO and r_φ learn to prefer responses that do not stop. `fix` says what the
+    stage's user can do about it."""
+    n, c, r = stats["rows"], stats["chosen_lost_eos"], stats["rejected_lost_eos"]
+    heavy = max(stats["truncated_prompt"], stats["truncated_response"]) > HEAVY_CUT * n
+    uneven = abs(c - r) > 2 * math.sqrt(c + r)
+    if not (heavy or uneven):
+        return ""
+    how = " and ".join(w for w, bad in (("heavily", heavy), ("unevenly", uneven)) if bad)
+    return (f"WARNING: truncation to {max_len} tokens cuts {path} {how}: "
+            f"{stats['truncated_prompt']} of {n} prompts and {stats['truncated_response']} of {n} "
+            f"pairs' responses cut; {c} chosen and {r} rejected responses lost their EOS. A cut "
+            f"response reads as one that never ends, and training learns whatever the cut "
+            f"favours. {fix}")
 
 def tokenize_texts(tok, texts, max_len):
     """SFT examples dict(index, prompt=[eos], response=encode(text) + [eos]), the response cut from

@@ -35,11 +35,12 @@ import sft
 from evaluate import evaluate_policy, print_samples
 from model import (anatomy, estimate_flops, format_anatomy, freeze, load_model, matmul_shapes,
                    model_flops, save_model)
-from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check, clock,
-                      compile_metrics, init_distributed, lap, lr_at, measure_peak_flops,
-                      parse_config, precision, reduce_sums, require_stage, resume,
-                      save_checkpoint, split_batch, stop_if_not_finite, sync_grads, teardown,
-                      wrap)
+from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
+                      check_finite_weights, clock, compile_metrics, init_distributed,
+                      input_fingerprint, lap, lr_at, measure_peak_flops, parse_config,
+                      precision, prepare_outputs, reduce_sums, require_stage, resume,
+                      save_checkpoint, split_batch, stop_if_diverged, stop_if_not_finite,
+                      sync_grads, teardown, wrap)
 
 # ==== config
 
@@ -141,6 +142,12 @@ def main(cfg):
           "--label_smoothing applies to the sigmoid loss only")
     check(0 <= cfg.label_smoothing < 0.5 and cfg.beta > 0,
           "need beta > 0 and 0 <= label_smoothing < 0.5")
+    # outputs first: a bad folder stops the run now, not after hours (the cache's if it is built)
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    caches = [os.path.join(cfg.ref_logps, f"{split}.safetensors") for split in ("train", "val")]
+    build_cache = cfg.ref == "cache" and not all(map(os.path.exists, caches))
+    prepare_outputs({cfg.out_dir: "--out_dir", ckpt_dir: "--out_dir",
+                     **({cfg.ref_logps: "--ref_logps"} if build_cache else {})}, d, log.print)
     pc = precompute.Config(out_dir=cfg.ref_logps, ref_model=cfg.ref_model,
                            train_pairs=cfg.train_pairs, val_pairs=cfg.val_pairs,
                            max_len=cfg.max_len, max_prompt_len=cfg.max_prompt_len)
@@ -155,13 +162,21 @@ def main(cfg):
     log.print(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and "
               f"{stats['truncated_response']} responses truncated to {cfg.max_len} tokens, "
               f"{stats['unusable']} unusable), {len(val)} val pairs")
+    warn = data.truncation_warning(stats, cfg.train_pairs, cfg.max_len, precompute.TRUNCATION_FIX)
+    if warn:
+        log.print(warn)
     check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, "
           f"fewer than --batch_size {cfg.batch_size}")
+    check(len(val) > 0, f"{cfg.val_pairs} has no usable pair: in each row chosen and rejected are "
+          f"identical once cut to --max_len {cfg.max_len} tokens")
+    # what the weights are trained from (the reference cache is checked against the same files)
+    inputs = input_fingerprint({"--ref_model": cfg.ref_model,
+                                "tokenizer": precompute.tokenizer_path(cfg.ref_model),
+                                "--train_pairs": cfg.train_pairs}, train)
     lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
     ref_train = ref_val = None
     if cfg.ref == "cache":  # the reference's only trace in this job: two fp32 numbers per pair
-        for split in ("train", "val"):
-            path = os.path.join(cfg.ref_logps, f"{split}.safetensors")
+        for split, path in zip(("train", "val"), caches):
             require_stage(path, os.path.join(Config.ref_logps, f"{split}.safetensors"),
                           lambda: (precompute.main(pc), barrier(d)), precompute.command(pc), d,
                           log.print)
@@ -175,6 +190,7 @@ def main(cfg):
     # (as TRL's disable_dropout), so log π is deterministic, equals log π_ref exactly at step 0,
     # and the cached and the live reference see the same function.
     raw_model, _ = load_model(cfg.ref_model, d.device)
+    check_finite_weights(raw_model, cfg.ref_model)
     raw_model.eval()
     check(cfg.max_len <= raw_model.config.block_size,
           f"--max_len {cfg.max_len} > block_size {raw_model.config.block_size}")
@@ -193,10 +209,10 @@ def main(cfg):
 
     # ==== optimizer, schedule, resume
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
-    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     # cached and live are the same run, so either may resume the other
-    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
-                      free=("resume", "stop_after", "ref", "compile"))
+    start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
+                          inputs, free=("resume", "stop_after", "ref", "compile"))
+    first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     mb = cfg.batch_size // d.world // accum  # pairs per forward on this rank
@@ -271,6 +287,11 @@ def main(cfg):
         s = reduce_sums(d, **sums, flops_model=flops["model"], flops_hardware=flops["hardware"])
         stop_if_not_finite({"loss": s["loss"], "grad_norm": grad_norm}, f"step {step + 1}",
                            ckpt_dir, "Try a lower --lr or --beta.")
+        loss = s["loss"] / cfg.batch_size
+        first_loss = loss if first_loss is None else first_loss
+        stop_if_diverged("loss", loss, DIVERGED * first_loss, f"{DIVERGED}x the first step's "
+                         f"{first_loss:.4g}", f"step {step + 1}", ckpt_dir,
+                         "Try a lower --lr or --beta.")
         opt.step()
         opt.zero_grad(set_to_none=True)
         lap(times, "update", d)
@@ -296,7 +317,7 @@ def main(cfg):
                                                     "val_accuracy", "time/step"))
         if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
             save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
-                            {"config": asdict(cfg)})
+                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss})
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
     if end < cfg.steps:
         log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from "

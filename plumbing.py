@@ -8,11 +8,13 @@ peak used for MFU. Imports nothing from the project.
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import json
 import math
 import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -221,7 +223,46 @@ class Logger:
 
 
 # -----------------------------------------------------------------------------
-# atomic writes and checkpoints
+# outputs: writable before any work, atomic writes, checkpoints
+
+# What a killed writer leaves behind: our temp files (NAME.safetensors.tmp, NAME.json.tmp,
+# metrics.jsonl.tmp) and safetensors' own: save_file writes through a hidden temp file beside its
+# target (".tmp" + 6 characters, from Rust's tempfile crate), as big as the file, then renames it.
+STALE_TEMP = re.compile(r".+\.(safetensors|json|jsonl)\.tmp|\.tmp[A-Za-z0-9]{6}")
+
+
+def remove_stale_temp_files(folder, log):
+    """Delete the temp files a killed run left in `folder` and name them. Called before this run
+    writes there; only rank 0 writes, so no live writer's file is taken."""
+    stale = sorted(f for f in os.listdir(folder) if STALE_TEMP.fullmatch(f))
+    for f in stale:
+        os.remove(os.path.join(folder, f))
+    if stale:
+        log(f"removed temp files that a killed run left in {folder}: {', '.join(stale)}")
+
+
+def prepare_outputs(folders, d, log):
+    """Before any work, so that a bad folder fails the run now and not at its first checkpoint:
+    each of `folders` ({path: the flag that picks it}, e.g. {"out/dpo/ckpt": "--out_dir"}) is
+    created if missing and proved writable by creating a file in it (os.access would say yes to
+    root on a read-only mount); then the temp files a killed run left there are removed. Rank 0,
+    the writer, looks; every rank stops alike."""
+    msg = None
+    for folder, flag in folders.items() if d.is_main else ():
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            msg = f"{folder} is a file, not a folder: move it away, or pick another {flag}"
+            break
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            msg = (f"cannot write in {folder} ({e.strerror}): pick another {flag}, or make it a "
+                   "writable folder")
+            break
+        remove_stale_temp_files(folder, log)
+    if not main_decides(msg is None, d):
+        raise SystemExit(f"error: {msg}" if d.is_main else 1)
 
 
 def atomic_write_text(path, text):
@@ -233,6 +274,22 @@ def atomic_write_text(path, text):
 
 def atomic_write_json(path, obj):
     atomic_write_text(path, json.dumps(obj, indent=1))
+
+
+def file_mode():
+    """The mode open() gives a new file: 0666 less the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def save_safetensors(tensors, path, metadata):
+    """safetensors' save_file to path + ".tmp", then renamed into place, with the mode open() would
+    give it, as the JSON beside it: save_file's own temp file is created 0600 and keeps that
+    mode."""
+    save_file(tensors, path + ".tmp", metadata=metadata)
+    os.chmod(path + ".tmp", file_mode())
+    os.replace(path + ".tmp", path)
 
 
 def unique_state(module):
@@ -250,8 +307,9 @@ def save_checkpoint(ckpt_dir, step, parts, state):
     """One safetensors file per checkpoint holding every module and optimizer in `parts`
     ({"model": raw_model, "optim": optimizer, ...}; a plain tensor is stored as is), plus JSON
     `state` (config, counters). latest.json is renamed into place last, so a crash at any moment
-    leaves the previous checkpoint intact and pointed to; older files are deleted only after
-    that."""
+    leaves the previous checkpoint intact and pointed to; older files, and the temp files of a
+    killed save, are deleted only after that. A non-finite tensor is never saved: the run stops
+    and keeps the checkpoint it had."""
     os.makedirs(ckpt_dir, exist_ok=True)
     tensors, meta = {}, {"step": step, "state": state, "optim": {}}
     for name, obj in parts.items():
@@ -265,12 +323,15 @@ def save_checkpoint(ckpt_dir, step, parts, state):
             tensors[f"{name}"] = obj.detach().contiguous().cpu()
         else:
             tensors.update({f"{name}/{k}": v for k, v in unique_state(obj).items()})
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not v.isfinite().all()]
+    if bad:
+        raise SystemExit(f"error: non-finite values in {', '.join(bad[:3])} at step {step}: not "
+                         f"saved; the last good checkpoint is kept: {last_checkpoint(ckpt_dir)}")
     fname = f"step-{step:07d}.safetensors"
-    save_file(tensors, os.path.join(ckpt_dir, fname + ".tmp"), metadata={"json": json.dumps(meta)})
-    os.replace(os.path.join(ckpt_dir, fname + ".tmp"), os.path.join(ckpt_dir, fname))
+    save_safetensors(tensors, os.path.join(ckpt_dir, fname), {"json": json.dumps(meta)})
     atomic_write_json(os.path.join(ckpt_dir, "latest.json"), {"file": fname, "step": step})
     for old in os.listdir(ckpt_dir):
-        if old.startswith("step-") and old != fname:
+        if old != fname and (old.startswith("step-") or STALE_TEMP.fullmatch(old)):
             os.remove(os.path.join(ckpt_dir, old))
 
 
@@ -286,6 +347,24 @@ def checkpoint_state(ckpt_dir):
     return {**meta["state"], "step": meta["step"]}
 
 
+def check_finite_weights(module, path):
+    """A model file with NaN or inf weights (saved by a run that diverged) is named as the cause
+    when it is loaded, rather than found later as NaN log-probs or a NaN loss."""
+    bad = [k for k, v in module.state_dict().items()
+           if v.is_floating_point() and not v.isfinite().all()]
+    check(not bad, f"{path} holds non-finite weights (NaN or inf in {len(bad)} tensors, e.g. "
+          f"{bad[:1]}): the run that saved it diverged; retrain it, e.g. with a lower --lr")
+
+
+def last_checkpoint(ckpt_dir):
+    """Where the last checkpoint is, said when a run stops."""
+    try:
+        last = checkpoint_state(ckpt_dir)
+    except Exception as e:  # damaged outside this code (see resume)
+        return f"{ckpt_dir}, which cannot be read ({e})"
+    return f"{ckpt_dir} at step {last['step']}" if last else "none (no checkpoint was written yet)"
+
+
 def stop_if_not_finite(values, where, ckpt_dir, hint):
     """The guard every trainer runs before its optimizer step: if any of `values` ({name: float},
     all-reduced, so every rank decides alike) is NaN or inf, stop before the update, so that no
@@ -293,11 +372,32 @@ def stop_if_not_finite(values, where, ckpt_dir, hint):
     bad = {k: v for k, v in values.items() if not math.isfinite(v)}
     if not bad:
         return
-    last = checkpoint_state(ckpt_dir)
-    kept = f"{ckpt_dir} at step {last['step']}" if last else "none (no checkpoint was written yet)"
     what = ", ".join(f"{k} ({v})" for k, v in bad.items())
     raise SystemExit(f"error: non-finite {what} at {where}: stopped before the update; the last "
-                     f"good checkpoint is kept: {kept}. {hint}")
+                     f"good checkpoint is kept: {last_checkpoint(ckpt_dir)}. {hint}")
+
+
+# A finite divergence (dpo.py --lr 30: loss 0.69, then 3.7e3 at step 2) is stopped like a NaN. The
+# rule for the trainers of a loss (sft, reward, dpo): a step's training loss above DIVERGED x the
+# loss of the run's first step, the model before any update: sft's near-uniform guess (about ln V),
+# log 2 for reward and DPO (r_φ = 0, π = π_ref). Updates that make the model's own batches 10x
+# worse than no training at all have left any stable regime. Measured on the built-in task, tiny
+# model: dpo --lr 1e-2 (33x the default) peaks at 6.7x and trains well; sft --lr 3 reached 28x and
+# finished with a val loss of 35 nats/token (guessing uniformly: 6.2), saved without a word at 100x;
+# a spike of 18x at dpo --lr 3e-2 came back down (this rule stops it: lower the lr); --lr 30 is
+# stopped at step 2 or 3 (dpo 5400x, reward 340x, sft 240x). ppo.py bounds approx_kl instead (its
+# losses start near 0).
+DIVERGED = 10
+
+
+def stop_if_diverged(name, value, limit, rule, where, ckpt_dir, hint):
+    """The divergence guard: `value` (all-reduced, so every rank decides alike) above `limit`
+    (set by `rule`, said in the message) stops the run as a NaN would, before it is saved."""
+    if value <= limit:
+        return
+    raise SystemExit(f"error: the run diverged: {name} {value:.4g} at {where} is above {limit:.4g} "
+                     f"({rule}); stopped, and not saved; the last checkpoint is kept: "
+                     f"{last_checkpoint(ckpt_dir)}. {hint}")
 
 
 def load_checkpoint(ckpt_dir, parts, device):
@@ -447,12 +547,37 @@ def adamw(model, lr, weight_decay):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
-def resume(ckpt_dir, cfg, parts, device, log, free=("resume", "stop_after")):
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def input_fingerprint(files, examples):
+    """What a run's weights are trained from, saved in its checkpoints for resume to check:
+    {"<flag> <path>": sha256 of the file} for each of `files` ({flag: path}; "" = not used), and
+    "token ids": the sha256 of the tokenized training examples (JSON-able), which also changes
+    when the code of the tokenizer or of the truncation does (the reference cache's catch-all)."""
+    fp = {f"{flag} {path}": sha256(path) for flag, path in files.items() if path}
+    fp["token ids"] = hashlib.sha256(json.dumps(examples).encode()).hexdigest()
+    return fp
+
+
+def resume(ckpt_dir, cfg, parts, device, log, inputs, free=("resume", "stop_after")):
     """Continue from ckpt_dir when it holds a run of this same config (the fields in `free` may
-    differ): fills `parts` and returns (step, state). A checkpoint of another config stops the run
-    and names what differs, rather than silently mixing two runs. (0, {}) with no checkpoint or with
-    --no-resume."""
-    saved = checkpoint_state(ckpt_dir) if cfg.resume else None
+    differ) and of the same inputs (`inputs`, from input_fingerprint, which the stage saves in each
+    checkpoint's state as "inputs"): fills `parts` and returns (step, state). Anything else stops
+    the run and names what differs, rather than silently mixing two runs (a π_ref retrained, a data
+    file edited since the checkpoint). (0, {}) with no checkpoint or with --no-resume."""
+    # our writes are atomic, but a file damaged or edited outside this code is one error line too
+    damaged = (f"{ckpt_dir} holds a checkpoint that cannot be read ({{}}); pass --no-resume to "
+               "start over, or another --out_dir")
+    try:
+        saved = checkpoint_state(ckpt_dir) if cfg.resume else None
+    except Exception as e:
+        raise SystemExit("error: " + damaged.format(e)) from None
     if saved is None:
         return 0, {}
     ours = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
@@ -460,6 +585,22 @@ def resume(ckpt_dir, cfg, parts, device, log, free=("resume", "stop_after")):
     diff = [f"{k} {old.get(k)} -> {v}" for k, v in ours.items() if old.get(k) != v]
     check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
           f"pass --no-resume to start over, or another --out_dir")
-    step, state = load_checkpoint(ckpt_dir, parts, device)
+    check("inputs" in saved, f"{ckpt_dir} records no fingerprint of its inputs (an older version "
+          "wrote it); pass --no-resume to start over, or another --out_dir")
+    old = saved["inputs"]
+    changed = [k for k in {**old, **inputs} if old.get(k) != inputs.get(k)]
+    # the token ids change with any data file or tokenizer: named only when nothing else says why
+    changed = [k for k in changed if k != "token ids" or len(changed) == 1]
+    sha = lambda fp, k: fp[k][:12] if k in fp else "none"  # noqa: E731
+    changed = ["the token ids of the training data (tokenizer, truncation or data code)"
+               if k == "token ids" else f"{k} (sha256 {sha(old, k)} -> {sha(inputs, k)})"
+               for k in changed]
+    check(not changed, f"{ckpt_dir} holds a run trained from other inputs, changed since: "
+          f"{'; '.join(changed)}. Pass --no-resume to start over from these inputs, or another "
+          "--out_dir (or put the old files back to resume)")
+    try:
+        step, state = load_checkpoint(ckpt_dir, parts, device)
+    except Exception as e:
+        raise SystemExit("error: " + damaged.format(e)) from None
     log(f"resuming from {ckpt_dir} at step {step}")
     return step, state

@@ -34,10 +34,10 @@ from evaluate import evaluate_policy, print_samples
 from model import (anatomy, estimate_flops, format_anatomy, freeze, generate, generate_flops,
                    matmul_shapes, model_flops, save_model, sequence_logprobs)
 from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, clock,
-                      compile_metrics, init_distributed, lap, lr_at, measure_peak_flops,
-                      parse_config, precision, reduce_sums, require_stage, resume,
-                      save_checkpoint, split_batch, stop_if_not_finite, sync_grads, teardown,
-                      wrap)
+                      compile_metrics, init_distributed, input_fingerprint, lap, lr_at,
+                      measure_peak_flops, parse_config, precision, prepare_outputs, reduce_sums,
+                      require_stage, resume, save_checkpoint, split_batch, stop_if_diverged,
+                      stop_if_not_finite, sync_grads, teardown, wrap)
 
 # ==== config
 
@@ -207,6 +207,12 @@ def broadcast_weights(trainer, rollout_copy, d):
     return flat.numel() * flat.element_size(), clock(d) - t0
 
 
+# ppo.py's divergence rule (sft, reward and dpo bound their loss instead, plumbing.DIVERGED): an
+# iteration whose mean approx_kl, the k3 estimate of KL(π_old‖π) per token over its minibatches, is
+# above this has left the trust region the clip keeps. Measured on the built-in task: 0.04 at
+# --lr 1e-3, 0.27 at 1e-2 (still learning); 5.4 at 1e-1 and 283 at 1 (the policy collapsed).
+MAX_APPROX_KL = 1.0
+
 PHASES = ("batch", "rollout", "reward", "reference", "values", "rewards", "advantages",
           "policy_forward", "loss", "update", "broadcast")
 
@@ -217,13 +223,18 @@ def main(cfg):
     log = Logger(cfg.out_dir, d)
     check(cfg.reward in ("model", "true"),
           f"--reward must be 'model' or 'true', not {cfg.reward!r}")
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    prepare_outputs({cfg.out_dir: "--out_dir", ckpt_dir: "--out_dir"}, d, log.print)
     require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d,
                   log.print)
     require_stage(cfg.reward_model, Config.reward_model, lambda: reward.main(reward.Config()),
                   "python reward.py", d, log.print)
     for path, default in [(cfg.prompts, Config.prompts), (cfg.eval_prompts, Config.eval_prompts)]:
         require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log.print)
-    tok = data.load_tokenizer(os.path.join(os.path.dirname(cfg.sft), "tokenizer.json"))
+    tok_path = os.path.join(os.path.dirname(cfg.sft), "tokenizer.json")
+    check(os.path.exists(tok_path), f"{tok_path} does not exist: π_ref's tokenizer is read from "
+          "the folder of --sft")
+    tok = data.load_tokenizer(tok_path)
     texts = data.read_prompts(cfg.prompts)
     K = cfg.max_prompt_len
     prompts = [p if len(p) <= K else p[:1] + p[len(p) - K + 1:]
@@ -232,6 +243,9 @@ def main(cfg):
           f"than --rollout_batch {cfg.rollout_batch}")
     check(cfg.rollout_batch % cfg.mini_batch == 0, f"--rollout_batch {cfg.rollout_batch} is not "
           f"a multiple of --mini_batch {cfg.mini_batch}")
+    # what the weights are trained from: a resumed run checks it is the same
+    inputs = input_fingerprint({"--sft": cfg.sft, "--reward_model": cfg.reward_model,
+                                "tokenizer": tok_path, "--prompts": cfg.prompts}, prompts)
     accum = split_batch(cfg.mini_batch, cfg.micro_batch_size, d.world)
     n_mini, B = cfg.rollout_batch // cfg.mini_batch, cfg.rollout_batch // d.world
     mb = B // n_mini  # this rank's rollouts per minibatch
@@ -278,9 +292,9 @@ def main(cfg):
     # parameter on its own, so it is two optimizers sharing one schedule, one grad clip, one DDP
     # all-reduce and one checkpoint.
     opt = torch.optim.AdamW(pv.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     start, state = resume(ckpt_dir, cfg, {"policy": policy, "critic": critic, "optim": opt},
-                          d.device, log.print, free=("resume", "stop_after", "eval_k", "compile"))
+                          d.device, log.print, inputs,
+                          free=("resume", "stop_after", "eval_k", "compile"))
     kl_coef = state.get("kl_coef", cfg.kl_coef)
     if start:
         broadcast_weights(policy, rollout, d)  # the rollout engine resumes with the restored policy
@@ -470,6 +484,10 @@ def main(cfg):
         log.log(it + 1, cfg.iterations, metrics, show=("score", "true_reward", "kl", "entropy",
                                                        "clipfrac", "approx_kl", "response_len",
                                                        "time/iteration"))
+        # a policy that left the clip's trust region has diverged: this iteration is not saved
+        stop_if_diverged("approx_kl", metrics["approx_kl"], MAX_APPROX_KL, "nats per token, the "
+                         "most an iteration may move the policy", f"iteration {it + 1}", ckpt_dir,
+                         "Try a lower --lr.")
         for k in PHASES:  # the mean over the timed iterations
             shares[k] += metrics.get(f"share/{k}", 0.0) / max(timed, 1)
         if cfg.adaptive_kl:
@@ -477,7 +495,7 @@ def main(cfg):
                                        cfg.rollout_batch)
         if d.is_main and ((it + 1) % cfg.ckpt_every == 0 or it + 1 == end):
             save_checkpoint(ckpt_dir, it + 1, {"policy": policy, "critic": critic, "optim": opt},
-                            {"config": asdict(cfg), "kl_coef": kl_coef})
+                            {"config": asdict(cfg), "inputs": inputs, "kl_coef": kl_coef})
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
     if end < cfg.iterations:
         log.print(f"stopped after {end - start} iterations (--stop_after); run again to resume "

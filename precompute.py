@@ -1,16 +1,17 @@
 """DPO's one-time pass: run π_ref once over the preference pairs and cache its log-probs.
 
-    python precompute.py                         # one process: out/ref_logps/{train,val}.safetensors
-    torchrun --nproc_per_node=8 precompute.py    # the pairs sharded over 8 ranks: the same files
-    python precompute.py --help                  # e.g. --ref_model my/model.safetensors --max_len 128
+    python precompute.py                       # one process: out/ref_logps/{train,val}.safetensors
+    torchrun --nproc_per_node=8 precompute.py  # the pairs sharded over 8 ranks: the same files
+    python precompute.py --help                # e.g. --ref_model my/model.safetensors --max_len 128
 
-DPO's loss (Eq. 7 of Rafailov et al. 2023) needs log π_ref(y|x) for every chosen and rejected response.
-π_ref is frozen and the pairs are fixed, so these numbers never change during training: computing them
-once here takes the reference model out of the training job (TRL's `precompute_ref_log_probs`). Each
-file holds, keyed by the pair's row in its JSONL file, the summed response log-probs (fp32) of chosen
-and rejected, computed exactly as dpo.py computes its policy's (model.sequence_logprobs on
-data.collate_pairs batches), and in its metadata a fingerprint of everything that determines them, so
-that dpo.py can refuse a stale cache. The cost of the pass (tokens, wall time, FLOPs) is printed and kept.
+DPO's loss (Eq. 7 of Rafailov et al. 2023) needs log π_ref(y|x) for every chosen and rejected
+response. π_ref is frozen and the pairs are fixed, so these numbers never change during training:
+computing them once here takes the reference model out of the training job (TRL's
+`precompute_ref_log_probs`). Each file holds, keyed by the pair's row in its JSONL file, the summed
+response log-probs (fp32) of chosen and rejected, computed exactly as dpo.py computes its policy's
+(model.sequence_logprobs on data.collate_pairs batches), and in its metadata a fingerprint of
+everything that determines them, so that dpo.py can refuse a stale cache. The cost of the pass
+(tokens, wall time, FLOPs) is printed and kept.
 """
 import dataclasses
 import hashlib
@@ -21,45 +22,45 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import data
 import sft
 from model import estimate_flops, freeze, load_model, model_flops, sequence_logprobs
-from plumbing import (all_reduce_sum, autocast, barrier, check, init_distributed, parse_config,
-                      precision, require_stage, teardown)
+from plumbing import (Logger, all_reduce_sum, autocast, barrier, check, check_finite_weights,
+                      init_distributed, parse_config, precision, prepare_outputs, require_stage,
+                      save_safetensors, sha256, teardown)
 
 
 @dataclass
 class Config:
     out_dir: str = "out/ref_logps"  # writes train.safetensors and val.safetensors here
-    ref_model: str = "out/sft/model.safetensors"  # π_ref (its folder holds tokenizer.json); built by sft.py if missing
-    train_pairs: str = "out/task/pairs_train.jsonl"  # preference JSONL {"prompt","chosen","rejected"}
+    ref_model: str = "out/sft/model.safetensors"  # π_ref (+ tokenizer.json); built if missing
+    train_pairs: str = "out/task/pairs_train.jsonl"  # JSONL {"prompt","chosen","rejected"}
     val_pairs: str = "out/task/pairs_val.jsonl"  # held-out pairs: dpo.py's val loss and accuracy
-    max_len: int = 64  # tokens of prompt + response (BOS and EOS included); longer pairs are truncated
-    max_prompt_len: int = 16  # a truncated prompt keeps at least this many tokens (data.tokenize_pairs)
+    max_len: int = 64  # tokens of prompt + response, BOS and EOS included; longer pairs are cut
+    max_prompt_len: int = 16  # a cut prompt keeps at least this many tokens (data.tokenize_pairs)
     micro_batch_size: int = 64  # pairs per forward (2x rows: [chosen; rejected])
 
 
 # What the numbers depend on beyond the files and the flags. Whoever changes the truncation rule in
-# data.tokenize_pairs or the reduction below changes these strings, and every old cache becomes stale.
-TRUNCATION = "data.tokenize_pairs v1: prompt keeps BOS + its last tokens (>= max_prompt_len), responses their first"
+# data.tokenize_pairs or the reduction below changes these strings, and every old cache becomes
+# stale.
+TRUNCATION = ("data.tokenize_pairs v1: prompt keeps BOS + its last tokens (>= max_prompt_len), "
+              "responses their first")
 REDUCTION = "sum over response tokens of model.token_logprobs (fp32 log-softmax, temperature 1)"
-MODEL_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")  # weights -> log-probs
+# the code that turns weights into log-probs
+MODEL_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
 CHANGED = {"ref_model_sha256": "the reference weights", "tokenizer_sha256": "the tokenizer",
-           "pairs_sha256": "the pairs file", "max_len": "--max_len", "max_prompt_len": "--max_prompt_len",
-           "truncation": "the truncation rule", "reduction": "the log-prob reduction",
+           "pairs_sha256": "the pairs file", "max_len": "--max_len",
+           "max_prompt_len": "--max_prompt_len", "truncation": "the truncation rule",
+           "reduction": "the log-prob reduction",
            "tokens_sha256": "the token ids (tokenizer, truncation or data code)",
            "model_code_sha256": "model.py", "precision": "the precision",
            "device": "the device type"}
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+# what a user can do when data.truncation_warning speaks (here and in dpo.py)
+TRUNCATION_FIX = ("Raise --max_len (up to π_ref's block_size), or retrain π_ref (sft.py) with a "
+                  "larger --block_size and a tokenizer made for your text (--tokenizer).")
 
 
 def tokenizer_path(ref_model):
@@ -67,23 +68,26 @@ def tokenizer_path(ref_model):
 
 
 def fingerprint(cfg, split, examples, device):
-    """Everything that determines the cached numbers of `split` ("train" or "val"): DESIGN.md's list,
-    which names what changed, and two exact checks whatever the cause: the hash of the token ids fed
-    to π_ref (examples from data.tokenize_pairs) and of the code that turns weights into log-probs.
-    And the precision and device type the numbers were computed in: bf16 log-probs differ from fp32
-    ones by 0.001 nats per response (max 0.006), enough that a bf16 policy at step 0 would not equal
-    π_ref (on the task: reward accuracy 0.42 at step 1 instead of 0)."""
+    """Everything that determines the cached numbers of `split` ("train" or "val"): DESIGN.md's
+    list, which names what changed, and two exact checks whatever the cause: the hash of the token
+    ids fed to π_ref (examples from data.tokenize_pairs) and of the code that turns weights into
+    log-probs. And the precision and device type the numbers were computed in: bf16 log-probs
+    differ from fp32 ones by 0.001 nats per response (max 0.006), enough that a bf16 policy at
+    step 0 would not equal π_ref (on the task: reward accuracy 0.42 at step 1 instead of 0)."""
     pairs = cfg.train_pairs if split == "train" else cfg.val_pairs
-    ids = hashlib.sha256(json.dumps([[e["index"], e["prompt"], e["chosen"], e["rejected"]] for e in examples]).encode())
-    return {"ref_model_sha256": sha256(cfg.ref_model), "tokenizer_sha256": sha256(tokenizer_path(cfg.ref_model)),
-            "pairs_sha256": sha256(pairs), "max_len": cfg.max_len, "max_prompt_len": cfg.max_prompt_len,
-            "truncation": TRUNCATION, "reduction": REDUCTION, "tokens_sha256": ids.hexdigest(),
-            "model_code_sha256": sha256(MODEL_CODE), "precision": precision(device),
-            "device": device.type}
+    ids = hashlib.sha256(json.dumps([[e["index"], e["prompt"], e["chosen"], e["rejected"]]
+                                     for e in examples]).encode())
+    return {"ref_model_sha256": sha256(cfg.ref_model),
+            "tokenizer_sha256": sha256(tokenizer_path(cfg.ref_model)),
+            "pairs_sha256": sha256(pairs), "max_len": cfg.max_len,
+            "max_prompt_len": cfg.max_prompt_len, "truncation": TRUNCATION, "reduction": REDUCTION,
+            "tokens_sha256": ids.hexdigest(), "model_code_sha256": sha256(MODEL_CODE),
+            "precision": precision(device), "device": device.type}
 
 
 def command(cfg):
-    """The command line that (re)builds the cache for cfg: only the flags that differ from the defaults."""
+    """The command line that (re)builds the cache for cfg: only the flags that differ from the
+    defaults."""
     flags = [f"--{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
              if getattr(cfg, f.name) != f.default]
     return " ".join(["python precompute.py"] + flags)
@@ -99,23 +103,25 @@ def pair_logps(model, input_ids, targets):
 
 @torch.no_grad()
 def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
-    """π_ref's summed log-probs of every example, sharded over ranks. Returns (2, n_rows) fp32, rows
-    [chosen; rejected], keyed by example["index"]; NaN on rows tokenize_pairs left out; and the cost.
-    Each rank takes whole micro-batches (batch i goes to rank i % world), so the batches, and hence
-    the numbers, are the same for any world size. A DistributedSampler would instead pad the last
-    shard by repeating rows, which a sum over ranks would count twice: here the shards are uneven and
-    a per-row count proves each index was filled exactly once. The examples are batched in order of
-    length (a fixed order, so still the same batches on any world size): each batch is padded only
-    to its own longest row."""
+    """π_ref's summed log-probs of every example, sharded over ranks. Returns (2, n_rows) fp32,
+    rows [chosen; rejected], keyed by example["index"]; NaN on rows tokenize_pairs left out; and
+    the cost. Each rank takes whole micro-batches (batch i goes to rank i % world), so the batches,
+    and hence the numbers, are the same for any world size. A DistributedSampler would instead pad
+    the last shard by repeating rows, which a sum over ranks would count twice: here the shards are
+    uneven and a per-row count proves each index was filled exactly once. The examples are batched
+    in order of length (a fixed order, so still the same batches on any world size): each batch is
+    padded only to its own longest row."""
     model.eval()
     acc = torch.zeros(3, n_rows, device=d.device)  # chosen, rejected, times filled
     # real tokens, positions, FLOPs executed (padding included), FLOPs the real tokens need
     cost = torch.zeros(4, dtype=torch.float64, device=d.device)
     examples = sorted(examples, key=data.longest_row)
-    batches = [examples[i:i + micro_batch_size] for i in range(0, len(examples), micro_batch_size)]
+    batches = [examples[i:i + micro_batch_size]
+               for i in range(0, len(examples), micro_batch_size)]
     for rows in batches[d.rank::d.world]:
         b = data.collate_pairs(rows, pad)
-        x, y, idx = b["input_ids"].to(d.device), b["targets"].to(d.device), b["index"].to(d.device)
+        x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
+        idx = b["index"].to(d.device)
         with autocast(d.device):  # the same precision dpo.py's training forward uses
             logp = pair_logps(model, x, y).float()  # (2B,)
         B = len(rows)
@@ -125,74 +131,99 @@ def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
                               estimate_flops(model.config, *x.shape, outputs=K),
                               model_flops(model.config, real, K)],
                              dtype=torch.float64, device=d.device)
-    all_reduce_sum(acc, d), all_reduce_sum(cost, d)  # one collective each: a value + 0 from the others is exact
+    # one collective each: a value + 0 from the others is exact
+    all_reduce_sum(acc, d), all_reduce_sum(cost, d)
     filled = acc[2].cpu()
     check(filled.max() <= 1, f"{int((filled > 1).sum())} rows were computed twice (a sharding bug)")
-    out = torch.full((2, n_rows), float("nan"))  # NaN = not filled: any left at an example's index is an error
+    # NaN = not filled: any left at an example's index is an error
+    out = torch.full((2, n_rows), float("nan"))
     out[:, filled == 1] = acc[:2, filled == 1].cpu()
-    left = [e["index"] for e in examples if not torch.isfinite(out[:, e["index"]]).all()]
+    left = [e["index"] for e in examples if filled[e["index"]] != 1]
     check(not left, f"{len(left)} examples have no reference log-probs (e.g. rows {left[:5]})")
+    bad = [e["index"] for e in examples if not torch.isfinite(out[:, e["index"]]).all()]
+    check(not bad, f"π_ref gives non-finite log-probs for {len(bad)} examples (e.g. rows "
+          f"{bad[:5]}): its weights overflow, as those of a run that diverged do; retrain it, "
+          "e.g. with a lower --lr")
     return out, dict(tokens=int(cost[0]), positions=int(cost[1]), flops=int(cost[2]),
                      model_flops=int(cost[3]))
 
 
 def save_ref_logps(path, logps, fp, stats, cost):
     """safetensors {"chosen": (N,), "rejected": (N,)} + JSON metadata; tmp file, then rename."""
-    save_file({"chosen": logps[0].contiguous(), "rejected": logps[1].contiguous()}, path + ".tmp",
-              metadata={"fingerprint": json.dumps(fp), "stats": json.dumps(stats), "cost": json.dumps(cost)})
-    os.replace(path + ".tmp", path)
+    save_safetensors({"chosen": logps[0].contiguous(), "rejected": logps[1].contiguous()}, path,
+                     {"fingerprint": json.dumps(fp), "stats": json.dumps(stats),
+                      "cost": json.dumps(cost)})
 
 
 def load_ref_logps(path, cfg, split, examples, device):
-    """(2, N) fp32 [chosen; rejected] from a cache file, after checking that it was computed from the
-    inputs in cfg (a precompute Config), on this type of device in its precision, and covers every
-    example; anything else stops the run and says what changed and how to rebuild."""
-    with safe_open(path, "pt") as f:
-        found = json.loads((f.metadata() or {}).get("fingerprint", "{}"))
+    """(2, N) fp32 [chosen; rejected] from a cache file, after checking that it was computed from
+    the inputs in cfg (a precompute Config), on this type of device in its precision, and covers
+    every example; anything else stops the run and says what changed and how to rebuild."""
+    try:  # written atomically here; damaged or edited outside this code: one error line
+        with safe_open(path, "pt") as f:
+            found = json.loads((f.metadata() or {}).get("fingerprint", "{}"))
+        t = load_file(path)
+    except Exception as e:
+        raise SystemExit(f"error: {path} cannot be read ({e}); rebuild it with: "
+                         f"{command(cfg)}") from None
     want = fingerprint(cfg, split, examples, device)
     short = lambda v: v[:12] if isinstance(v, str) and len(v) == 64 else v  # noqa: E731
     changed = [k for k, v in want.items() if found.get(k) != v]
-    changed = [k for k in changed if k != "tokens_sha256" or len(changed) == 1]  # the catch-all: only if nothing else says
+    # the catch-all: only if nothing else says
+    changed = [k for k in changed if k != "tokens_sha256" or len(changed) == 1]
     changed = [f"{CHANGED.get(k, k)} ({short(found.get(k))} -> {short(want[k])})" for k in changed]
     check(not changed, f"{path} is stale, computed for other inputs: {'; '.join(changed)}. "
           f"Rebuild it with: {command(cfg)}")
-    t = load_file(path)
     logps = torch.stack([t["chosen"], t["rejected"]])
     left = [e["index"] for e in examples if not torch.isfinite(logps[:, e["index"]]).all()]
-    check(not left, f"{path} has no values for {len(left)} examples (e.g. rows {left[:5]}); rebuild: {command(cfg)}")
+    check(not left, f"{path} has no values for {len(left)} examples (e.g. rows {left[:5]}); "
+          f"rebuild: {command(cfg)}")
     return logps
 
 
 def require_inputs(cfg, d, log):
-    """π_ref and the pairs; with the default paths, missing ones are built by sft.py and the task."""
+    """π_ref and the pairs; with the default paths, missing ones are built (sft.py, the task)."""
     # sft.main returns on every rank as soon as the collectives end: wait for rank 0's file too
-    require_stage(cfg.ref_model, Config.ref_model, lambda: (sft.main(sft.Config()), barrier(d)), "python sft.py", d, log)
-    for path, default in [(cfg.train_pairs, Config.train_pairs), (cfg.val_pairs, Config.val_pairs)]:
+    require_stage(cfg.ref_model, Config.ref_model, lambda: (sft.main(sft.Config()), barrier(d)),
+                  "python sft.py", d, log)
+    check(os.path.exists(tokenizer_path(cfg.ref_model)), f"{tokenizer_path(cfg.ref_model)} does "
+          "not exist: π_ref's tokenizer is read from the folder of --ref_model")
+    for path, default in [(cfg.train_pairs, Config.train_pairs),
+                          (cfg.val_pairs, Config.val_pairs)]:
         require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log)
 
 
 def main(cfg):
     d = init_distributed()
-    log = lambda *a: print(*a, flush=True) if d.is_main else None
+    log = Logger(cfg.out_dir, d).print
+    prepare_outputs({cfg.out_dir: "--out_dir"}, d, log)  # before any work
     require_inputs(cfg, d, log)
     tok = data.load_tokenizer(tokenizer_path(cfg.ref_model))
-    model = freeze(load_model(cfg.ref_model, d.device)[0], precision(d.device) == "bf16")
-    check(cfg.max_len <= model.config.block_size, f"--max_len {cfg.max_len} > π_ref's block_size {model.config.block_size}")
-    if d.is_main:
-        os.makedirs(cfg.out_dir, exist_ok=True)
+    model, _ = load_model(cfg.ref_model, d.device)
+    check_finite_weights(model, cfg.ref_model)
+    model = freeze(model, precision(d.device) == "bf16")
+    check(cfg.max_len <= model.config.block_size,
+          f"--max_len {cfg.max_len} > π_ref's block_size {model.config.block_size}")
     for split, pairs in (("train", cfg.train_pairs), ("val", cfg.val_pairs)):
         rows = data.read_pairs(pairs)
         examples, stats = data.tokenize_pairs(tok, rows, cfg.max_len, cfg.max_prompt_len)
+        check(examples, f"{pairs} has no usable pair: in each row chosen and rejected are "
+              f"identical once cut to --max_len {cfg.max_len} tokens")
+        warn = data.truncation_warning(stats, pairs, cfg.max_len, TRUNCATION_FIX)
+        if warn:
+            log(warn)
         t0 = time.perf_counter()
-        logps, cost = precompute_ref_logps(model, examples, len(rows), cfg.micro_batch_size, tok.pad, d)
+        logps, cost = precompute_ref_logps(model, examples, len(rows), cfg.micro_batch_size,
+                                           tok.pad, d)
         cost.update(wall_s=time.perf_counter() - t0, world=d.world, device=str(d.device))
         path = os.path.join(cfg.out_dir, f"{split}.safetensors")
         if d.is_main:
             save_ref_logps(path, logps, fingerprint(cfg, split, examples, d.device), stats, cost)
-        log(f"{path}: {len(examples)} pairs of {len(rows)} rows ({stats['truncated_prompt']} prompts and "
-            f"{stats['truncated_response']} responses truncated, {stats['unusable']} unusable) | "
-            f"{cost['tokens']} tokens ({cost['positions']} positions with padding) | "
-            f"{cost['flops'] / 1e9:.2f} GFLOP | {cost['wall_s']:.2f} s on {d.world} rank(s)")
+        log(f"{path}: {len(examples)} pairs of {len(rows)} rows ({stats['truncated_prompt']} "
+            f"prompts and {stats['truncated_response']} responses truncated, "
+            f"{stats['unusable']} unusable) | {cost['tokens']} tokens ({cost['positions']} "
+            f"positions with padding) | {cost['flops'] / 1e9:.2f} GFLOP | "
+            f"{cost['wall_s']:.2f} s on {d.world} rank(s)")
     barrier(d)  # the files are on disk before any rank returns (dpo.py reads them next)
     teardown(d)
 

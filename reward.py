@@ -25,10 +25,11 @@ from safetensors.torch import load_file
 import data
 import sft
 from model import GPT, estimate_flops, generate, matmul_shapes, model_flops, read_meta, save_model
-from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check,
-                      init_distributed, lr_at, measure_peak_flops, parse_config, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_not_finite,
-                      sync_grads, teardown, wrap)
+from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
+                      check_finite_weights, init_distributed, input_fingerprint, lr_at,
+                      measure_peak_flops, parse_config, prepare_outputs, reduce_sums,
+                      require_stage, resume, save_checkpoint, split_batch, stop_if_diverged,
+                      stop_if_not_finite, sync_grads, teardown, wrap)
 
 
 @dataclass
@@ -103,6 +104,7 @@ def load_trunk(path, head, device):
              else {"score.weight", "score.bias"} if cfg.head != head else set())
     check(not unexpected and set(missing) <= fresh, f"{path}: not a GPT save_model file "
           f"(missing {missing[:2]}, unexpected {unexpected[:2]})")
+    check_finite_weights(model, path)
     return model.to(device), meta
 
 
@@ -164,13 +166,18 @@ def ref_scores(rm, ref, tok, prompts, d, seed, batch_size=64):
 def main(cfg):
     d = init_distributed()
     log = Logger(cfg.out_dir, d)
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    prepare_outputs({cfg.out_dir: "--out_dir", ckpt_dir: "--out_dir"}, d, log.print)
     # ---- inputs: π_ref and the task's pairs, built when the default paths are missing
     require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d,
                   log.print)
     for path, default in [(cfg.train_pairs, Config.train_pairs), (cfg.val_pairs, Config.val_pairs),
                           (cfg.prompts, Config.prompts)]:
         require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log.print)
-    tok = data.load_tokenizer(os.path.join(os.path.dirname(cfg.sft), "tokenizer.json"))
+    tok_path = os.path.join(os.path.dirname(cfg.sft), "tokenizer.json")
+    check(os.path.exists(tok_path), f"{tok_path} does not exist: π_ref's tokenizer is read from "
+          "the folder of --sft")
+    tok = data.load_tokenizer(tok_path)
     raw_model, _ = load_trunk(cfg.sft, "scalar", d.device)
     block = raw_model.config.block_size
     check(2 <= cfg.max_prompt_len < block,
@@ -181,14 +188,26 @@ def main(cfg):
     log.print(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and "
               f"{stats['truncated_response']} responses cut to {block} tokens, "
               f"{stats['unusable']} unusable), {len(val)} val pairs")
+    warn = data.truncation_warning(stats, cfg.train_pairs, block, "Retrain π_ref (sft.py) with a "
+                                   "larger --block_size and a tokenizer made for your text "
+                                   "(--tokenizer); --max_prompt_len sets how much prompt a long "
+                                   "pair keeps.")
+    if warn:
+        log.print(warn)
     check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, "
           f"fewer than --batch_size {cfg.batch_size}")
+    check(len(val) > 0, f"{cfg.val_pairs} has no usable pair: in each row chosen and rejected are "
+          f"identical once cut to {block} tokens")
+    # what the weights are trained from: a resumed run checks it is the same
+    inputs = input_fingerprint({"--sft": cfg.sft, "tokenizer": tok_path,
+                                "--train_pairs": cfg.train_pairs}, train)
     lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
 
     # ---- model, optimizer, resume
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
-    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
-    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print)
+    start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
+                          inputs)
+    first_loss = state.get("first_loss")  # the divergence guard's scale, kept across resumes
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     model = wrap(raw_model, d)  # DDP over the ranks
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
@@ -234,6 +253,10 @@ def main(cfg):
         s = {k: tot[k] / cfg.batch_size for k in ("loss", "correct", "margin")}  # means per pair
         stop_if_not_finite({"loss": s["loss"], "grad_norm": grad_norm}, f"step {step + 1}",
                            ckpt_dir, "Try a lower --lr.")
+        first_loss = s["loss"] if first_loss is None else first_loss
+        stop_if_diverged("loss", s["loss"], DIVERGED * first_loss, f"{DIVERGED}x the first "
+                         f"step's {first_loss:.4g}", f"step {step + 1}", ckpt_dir,
+                         "Try a lower --lr.")
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -249,7 +272,7 @@ def main(cfg):
                                                         "val_accuracy", "grad_norm", "time/step"))
         if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
             save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
-                            {"config": asdict(cfg)})
+                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss})
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
     if end < cfg.steps:
         log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from "

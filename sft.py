@@ -19,9 +19,10 @@ import torch
 import data
 from model import (GPT, GPTConfig, estimate_flops, import_gpt2, matmul_shapes, model_flops,
                    save_model, sequence_logprobs)
-from plumbing import (Logger, adamw, atomic_write_json, autocast, barrier, check,
-                      compile_metrics, init_distributed, lr_at, measure_peak_flops, parse_config,
-                      reduce_sums, require_stage, resume, save_checkpoint, split_batch,
+from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
+                      compile_metrics, init_distributed, input_fingerprint, lr_at,
+                      measure_peak_flops, parse_config, prepare_outputs, reduce_sums,
+                      require_stage, resume, save_checkpoint, split_batch, stop_if_diverged,
                       stop_if_not_finite, sync_grads, teardown, wrap)
 
 
@@ -82,6 +83,8 @@ def val_loss(model, examples, cfg, d, pad):
 def main(cfg):
     d = init_distributed()
     log = Logger(cfg.out_dir, d)
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    prepare_outputs({cfg.out_dir: "--out_dir", ckpt_dir: "--out_dir"}, d, log.print)
     # ---- inputs: the task's text and tokenizer, built when the default paths are missing
     for path, default in [(cfg.train_text, Config.train_text), (cfg.val_text, Config.val_text),
                           (cfg.tokenizer, Config.tokenizer)]:
@@ -91,8 +94,16 @@ def main(cfg):
     val, val_stats = data.tokenize_texts(tok, data.read_texts(cfg.val_text), cfg.block_size)
     log.print(f"data: {len(train)} train texts ({stats['truncated']} cut to {cfg.block_size} "
               f"tokens), {len(val)} val texts ({val_stats['truncated']} cut)")
+    if stats["truncated"] > data.HEAVY_CUT * len(train):
+        log.print(f"WARNING: {stats['truncated']} of {len(train)} texts of {cfg.train_text} are "
+                  f"cut to --block_size {cfg.block_size} tokens: π_ref learns no ending for them. "
+                  "Raise --block_size, or use a tokenizer made for your text (--tokenizer), which "
+                  "needs fewer tokens per text")
     check(len(train) >= cfg.batch_size, f"{cfg.train_text} has {len(train)} usable texts, fewer "
           f"than --batch_size {cfg.batch_size}")
+    # what the weights are trained from: a resumed run checks it is the same
+    inputs = input_fingerprint({"--train_text": cfg.train_text, "--tokenizer": cfg.tokenizer,
+                                "--init_from": cfg.init_from}, train)
     lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
     # Every token weighs the same in every step: the loss is the batch's summed NLL over a fixed
     # count, the mean tokens of a global batch over the data, not over the batch's own count. With
@@ -114,8 +125,9 @@ def main(cfg):
                                   dropout=cfg.dropout))
     raw_model.to(d.device)
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
-    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
-    start, _ = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print)
+    start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
+                          inputs)
+    first_loss = state.get("first_loss")  # the divergence guard's scale, kept across resumes
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     model = wrap(raw_model, d, cfg.compile)  # DDP over the ranks, then torch.compile
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
@@ -155,6 +167,9 @@ def main(cfg):
         loss = s["nll"] / n_tok  # the global batch's mean NLL per token
         stop_if_not_finite({"loss": loss, "grad_norm": grad_norm}, f"step {step + 1}", ckpt_dir,
                            "Try a lower --lr.")
+        first_loss = loss if first_loss is None else first_loss
+        stop_if_diverged("loss", loss, DIVERGED * first_loss, f"{DIVERGED}x the first step's "
+                         f"{first_loss:.4g}", f"step {step + 1}", ckpt_dir, "Try a lower --lr.")
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -171,7 +186,7 @@ def main(cfg):
                     show=("loss", "val_loss", "grad_norm", "lr", "time/step"))
         if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
             save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
-                            {"config": asdict(cfg)})
+                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss})
     if end < cfg.steps:
         log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from "
                   f"step {end}")

@@ -25,7 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import pytest
@@ -861,25 +861,30 @@ def test_tokenize_pairs_truncation_rule(tok):
     assert (len(x), len(ys), len(yl)) == (6, 6, 13) and x[0] == tok.eos and yl[-1] == tok.eos
     ex, st = data.tokenize_pairs(tok, rows, max_len=19, max_prompt_len=4)    # 6 + 13 fits
     assert ex == [dict(index=0, prompt=x, chosen=ys, rejected=yl)]
-    assert st == dict(rows=1, truncated_prompt=0, truncated_response=0, unusable=0)
+    assert st == dict(rows=1, truncated_prompt=0, truncated_response=0, unusable=0,
+                      chosen_lost_eos=0, rejected_lost_eos=0)
     # too long by 3: the prompt gives up 3 tokens (it may: max(16 - 13, 2) = 3 >= 2), keeping its BOS
     ex, st = data.tokenize_pairs(tok, rows, max_len=16, max_prompt_len=2)
     assert ex[0]["prompt"] == [tok.eos] + x[-2:] and ex[0]["rejected"] == yl and ex[0]["chosen"] == ys
-    assert st == dict(rows=1, truncated_prompt=1, truncated_response=0, unusable=0)
+    assert st == dict(rows=1, truncated_prompt=1, truncated_response=0, unusable=0,
+                      chosen_lost_eos=0, rejected_lost_eos=0)
     # max_prompt_len 5 stops the prompt at 5 tokens; the longer response is cut to 16 - 5 = 11 (no EOS)
     ex, st = data.tokenize_pairs(tok, rows, max_len=16, max_prompt_len=5)
     assert ex[0]["prompt"] == [tok.eos] + x[-4:] and ex[0]["rejected"] == yl[:11] and ex[0]["chosen"] == ys
-    assert st == dict(rows=1, truncated_prompt=1, truncated_response=1, unusable=0)
+    assert st == dict(rows=1, truncated_prompt=1, truncated_response=1, unusable=0,
+                      chosen_lost_eos=0, rejected_lost_eos=1)  # the longer one, cut, lost its EOS
     # a prompt already short enough is kept whole and the responses are cut
     ex, st = data.tokenize_pairs(tok, rows, max_len=12, max_prompt_len=8)
     assert ex[0]["prompt"] == x and ex[0]["rejected"] == yl[:6] and ex[0]["chosen"] == ys
-    assert st == dict(rows=1, truncated_prompt=0, truncated_response=1, unusable=0)
+    assert st == dict(rows=1, truncated_prompt=0, truncated_response=1, unusable=0,
+                      chosen_lost_eos=0, rejected_lost_eos=1)
     # responses that differ only past the cut become identical: unusable, left out, counted; the
     # other rows keep their original index
     same = dict(prompt=prompt, chosen=long + " the plot is great .", rejected=long + " it felt fine .")
     ex, st = data.tokenize_pairs(tok, [rows[0], same, rows[0]], max_len=16, max_prompt_len=5)
     assert [e["index"] for e in ex] == [0, 2]
-    assert st == dict(rows=3, truncated_prompt=3, truncated_response=3, unusable=1)
+    assert st == dict(rows=3, truncated_prompt=3, truncated_response=3, unusable=1,
+                      chosen_lost_eos=0, rejected_lost_eos=2)  # counted over the usable pairs
     with pytest.raises(AssertionError, match="max_prompt_len"):
         data.tokenize_pairs(tok, rows, max_len=8, max_prompt_len=8)
 
@@ -1054,6 +1059,8 @@ def test_sft_two_ranks_equal_one_process_and_resume_equals_uninterrupted(tiny, t
     with open(resumed / "metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps == sorted(set(steps)) and steps[0] == 1  # the resumed log keeps the first run's lines, none twice
+    # and no extra line at the resumed run's first step: the uninterrupted run's steps exactly
+    assert steps == [m["step"] for m in read_metrics(one)]
 
 
 def test_sft_refuses_to_resume_a_different_config(tiny, tmp_path):
@@ -1792,7 +1799,8 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
         assert [r["run"] for r in csv.DictReader(f)] == ["ref", "dpo-beta0.1", "dpo-beta0.3", "ppo-kl0.05"]
 
 
-# ==================================================================================================
+# ===========================================================================================
+
 # bf16 and CUDA: the GPU path's numerics, simulated on the CPU and run on CUDA where there is one
 # ==================================================================================================
 
@@ -1990,3 +1998,374 @@ def test_bf16_ppo_first_ratio_is_one(tiny, bf16, tmp_path):  # noqa: F811
     # samples apart from the trainer: 0.00085 nats per token measured; at most 5x that
     n_params = sum(p.numel() for p in load_model(sft_file)[0].parameters())
     assert m["broadcast_MB"] * 2**20 == 2 * n_params and m["logprob_gap"] <= 5 * 0.00085, m
+
+# ====================================================================================================
+# reliability: non-finite and divergent runs, resume fingerprints, writable outputs, kills, truncation
+# ====================================================================================================
+
+CPU = Dist(0, 0, 1, torch.device("cpu"), True, False)  # one process
+
+
+def own_ref(tiny, folder, edit=None):
+    """A copy of the tiny π_ref (model.safetensors + tokenizer.json) in `folder`, its weights
+    changed in place by edit(model) if given; returns the model file's path."""
+    os.makedirs(folder, exist_ok=True)
+    shutil.copyfile(f"{tiny.sft}/tokenizer.json", os.path.join(folder, "tokenizer.json"))
+    model, meta = load_model(f"{tiny.sft}/model.safetensors")
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
+    save_model(model, os.path.join(folder, "model.safetensors"), meta)
+    return os.path.join(folder, "model.safetensors")
+
+
+def tiny_reward_config(tiny, out, **kw):
+    return reward.Config(**{**dict(out_dir=str(out), sft=f"{tiny.sft}/model.safetensors",
+                                   train_pairs=f"{tiny.root}/dpo-data/pairs_train.jsonl",
+                                   val_pairs=f"{tiny.root}/dpo-data/pairs_val.jsonl",
+                                   prompts=f"{tiny.task}/prompts_eval.jsonl", steps=12,
+                                   batch_size=8, micro_batch_size=8, eval_every=100,
+                                   offset_samples=8), **kw})
+
+
+def test_guards_stop_and_a_non_finite_checkpoint_is_never_written(tmp_path):
+    ckpt = str(tmp_path)
+    plumbing.stop_if_diverged("loss", 69.0, 69.3, "100x the first", "step 2", ckpt, "")
+    with pytest.raises(SystemExit, match=r"diverged: loss 70 at step 2 is above 69.3 \(100x the "
+                                         r"first\).*last checkpoint is kept: none.*lower --lr"):
+        plumbing.stop_if_diverged("loss", 70.0, 69.3, "100x the first", "step 2", ckpt,
+                                  "Try a lower --lr.")
+    net = torch.nn.Linear(3, 2)
+    plumbing.save_checkpoint(ckpt, 1, {"model": net}, {})
+    with torch.no_grad():
+        net.bias[1] = float("inf")
+    with pytest.raises(SystemExit, match=r"non-finite values in model/bias at step 2: not saved.*"
+                                         r"kept: .* at step 1"):
+        plumbing.save_checkpoint(ckpt, 2, {"model": net}, {})
+    assert plumbing.checkpoint_state(ckpt)["step"] == 1
+    assert sorted(os.listdir(ckpt)) == ["latest.json", "step-0000001.safetensors"]
+
+
+def test_sft_and_reward_stop_before_a_non_finite_update(tiny, dpo_cache, tmp_path):  # noqa: F811
+    # lr 1e30: step 1's update leaves finite but enormous weights, whose step-2 loss or gradient is
+    # not finite. The guard stops before step 2's update: step 1's checkpoint stays, and no
+    # non-finite tensor is written.
+    with pytest.raises(SystemExit, match=r"non-finite loss \(nan\).* at step 2: stopped before "):
+        sft.main(sft.Config(**{**sft_args(tiny, tmp_path / "sft", steps=4, lr=1e30),
+                               "ckpt_every": 1}))
+    with pytest.raises(SystemExit, match=r"non-finite .* at step 2: stopped before the update"):
+        reward.main(tiny_reward_config(tiny, tmp_path / "reward", steps=4, lr=1e30, warmup=1,
+                                       ckpt_every=1))
+    for stage in ("sft", "reward"):
+        assert plumbing.checkpoint_state(str(tmp_path / stage / "ckpt"))["step"] == 1
+        ckpt = load_file(str(tmp_path / stage / "ckpt" / "step-0000001.safetensors"))
+        assert all(torch.isfinite(v).all() for v in ckpt.values())
+        assert not os.path.exists(tmp_path / stage / "model.safetensors")
+
+
+def test_a_non_finite_reference_is_named_as_the_cause(tiny, dpo_cache, tmp_path):  # noqa: F811
+    pairs = str(tmp_path / "pairs.jsonl")
+    shutil.copyfile(f"{tiny.task}/pairs_val.jsonl", pairs)
+    nan = lambda m: m.transformer.h[0].mlp.c_fc.weight.fill_(float("nan"))  # noqa: E731
+    nan_ref = own_ref(tiny, tmp_path / "nan", nan)
+    pc = precompute.Config(out_dir=str(tmp_path / "cache"), ref_model=nan_ref, train_pairs=pairs,
+                           val_pairs=pairs)
+    says = "nan/model.safetensors holds non-finite weights .* retrain it"
+    with pytest.raises(SystemExit, match=says):  # not "N examples have no reference log-probs"
+        precompute.main(pc)
+    with pytest.raises(SystemExit, match=says):  # not "Try a lower --lr"
+        dpo.main(dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo"), ref_model=nan_ref,
+                         train_pairs=pairs, val_pairs=pairs, ref="live"))
+    with pytest.raises(SystemExit, match=says):  # how ppo.py loads π_ref and r_φ, reward.py π_ref
+        reward.load_trunk(nan_ref, "scalar", "cpu")
+    # finite weights whose logits overflow: the log-probs are named, not a missing cache row
+    big = lambda m: m.transformer.ln_f.weight.fill_(1e38)  # noqa: E731
+    pc = replace(pc, ref_model=own_ref(tiny, tmp_path / "big", big))
+    with pytest.raises(SystemExit, match=r"π_ref gives non-finite log-probs for \d+ examples"):
+        precompute.main(pc)
+
+
+def test_a_reference_without_its_tokenizer_is_named(tiny, tmp_path):
+    os.makedirs(tmp_path / "ref")
+    shutil.copyfile(f"{tiny.sft}/model.safetensors", tmp_path / "ref" / "model.safetensors")
+    pairs = f"{tiny.task}/pairs_val.jsonl"
+    says = "ref/tokenizer.json does not exist: π_ref's tokenizer is read from the folder of --"
+    with pytest.raises(SystemExit, match=says + "ref_model"):  # and so dpo.py
+        precompute.main(precompute.Config(out_dir=str(tmp_path / "cache"), train_pairs=pairs,
+                                          ref_model=str(tmp_path / "ref" / "model.safetensors"),
+                                          val_pairs=pairs))
+    with pytest.raises(SystemExit, match=says + "sft"):
+        reward.main(tiny_reward_config(tiny, tmp_path / "reward", train_pairs=pairs,
+                                       val_pairs=pairs,
+                                       sft=str(tmp_path / "ref" / "model.safetensors")))
+
+
+def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tmp_path):
+    ckpt, cfg, net = str(tmp_path), sft.Config(out_dir=str(tmp_path)), torch.nn.Linear(2, 2)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("one\n"), b.write_text("two\n")
+    files = {"--train_text": str(a), "--tokenizer": str(b), "--init_from": ""}
+    inputs = plumbing.input_fingerprint(files, [[1, 2]])
+    assert set(inputs) == {f"--train_text {a}", f"--tokenizer {b}", "token ids"}  # "": unused
+    plumbing.save_checkpoint(ckpt, 3, {"model": net}, {"config": asdict(cfg), "inputs": inputs})
+    assert plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)[0] == 3
+    a.write_text("one, edited\n")  # the data file changed: named with its sha256, and what to do
+    changed = plumbing.input_fingerprint(files, [[1, 3]])
+    with pytest.raises(SystemExit, match=rf"other inputs, changed since: --train_text {a} \(sha256 "
+                                         r"[0-9a-f]{12} -> [0-9a-f]{12}\)\. Pass --no-resume .* "
+                                         r"another --out_dir"):
+        plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, changed)
+    # the same files, other token ids (the truncation code changed): the catch-all says so
+    with pytest.raises(SystemExit, match=r"changed since: the token ids of the training data"):
+        plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, {**inputs, "token ids": "0" * 64})
+    no = replace(cfg, resume=False)
+    assert plumbing.resume(ckpt, no, {"model": net}, "cpu", print, changed) == (0, {})
+    plumbing.save_checkpoint(ckpt, 4, {"model": net}, {"config": asdict(cfg)})  # an older version's
+    with pytest.raises(SystemExit, match="records no fingerprint of its inputs"):
+        plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)
+    # files damaged outside this code (its own writes are atomic): one error line, no traceback
+    step = tmp_path / "step-0000004.safetensors"
+    step.write_bytes(step.read_bytes()[:100])
+    (tmp_path / "latest.json").write_text("{garbage")
+    for damaged in ("latest.json", "step-0000004.safetensors"):
+        with pytest.raises(SystemExit, match=r"holds a checkpoint that cannot be read \(.*\); pass "
+                                             "--no-resume"):
+            plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)
+        (tmp_path / "latest.json").write_text(json.dumps({"file": step.name, "step": 4}))
+    plumbing.save_checkpoint(ckpt, 5, {"model": net}, {})  # --no-resume writes over a damaged one
+    assert sorted(os.listdir(ckpt))[-2:] == ["latest.json", "step-0000005.safetensors"]
+
+
+def test_dpo_refuses_to_resume_after_its_inputs_changed(tiny, dpo_cache, tmp_path):  # noqa: F811
+    # the issue's runs: stop after 1 step; retrain π_ref and rebuild the cache (then also shrink
+    # the pairs file and rebuild), and run again: the checkpoint's policy started from the old ones
+    ref = own_ref(tiny, tmp_path / "ref")
+    rows = open(f"{tiny.root}/dpo-data/pairs_train.jsonl").readlines()[:64]
+    (tmp_path / "pairs.jsonl").write_text("".join(rows))
+    pc = precompute.Config(out_dir=str(tmp_path / "cache"), ref_model=ref,
+                           train_pairs=str(tmp_path / "pairs.jsonl"),
+                           val_pairs=str(tmp_path / "pairs.jsonl"))
+    precompute.main(pc)
+    cfg = dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo"), ref_model=ref,
+                  train_pairs=pc.train_pairs, val_pairs=pc.val_pairs, ref_logps=pc.out_dir, steps=2,
+                  stop_after=1)
+    dpo.main(cfg)
+    own_ref(tiny, tmp_path / "ref", lambda m: m.transformer.ln_f.bias.add_(0.01))  # "retrained"
+    precompute.main(pc)
+    with pytest.raises(SystemExit, match=r"other inputs, changed since: --ref_model .*ref/model."
+                                         r"safetensors \(sha256 .*\)\. Pass --no-resume"):
+        dpo.main(cfg)
+    (tmp_path / "pairs.jsonl").write_text("".join(rows[:32]))  # the pairs file shrank
+    precompute.main(pc)
+    with pytest.raises(SystemExit, match=r"--ref_model .*; --train_pairs .*pairs.jsonl \(sha256"):
+        dpo.main(cfg)
+    dpo.main(replace(cfg, resume=False))  # what the message says to do
+    assert [m["step"] for m in dpo_metrics(cfg.out_dir)] == [1]
+    cache = tmp_path / "cache" / "train.safetensors"  # damaged outside this code
+    cache.write_bytes(cache.read_bytes()[:100])
+    with pytest.raises(SystemExit, match=r"train.safetensors cannot be read \(.*\); rebuild it "
+                                         "with: python precompute.py --out_dir"):
+        dpo.main(cfg)
+
+
+def test_ppo_refuses_to_resume_after_its_prompts_changed(tiny, tiny_rm, tmp_path):  # noqa: F811
+    lines = open(f"{tiny.task}/prompts_train.jsonl").readlines()[:32]
+    (tmp_path / "prompts.jsonl").write_text("".join(lines))
+    cfg = replace(tiny_ppo_config(tiny, str(tiny_rm / "model.safetensors"), tmp_path / "ppo",
+                                  str(tmp_path / "prompts.jsonl"), stop_after=1),
+                  prompts=str(tmp_path / "prompts.jsonl"))
+    ppo.main(cfg)
+    (tmp_path / "prompts.jsonl").write_text("".join(lines[:16]))
+    with pytest.raises(SystemExit, match=r"changed since: --prompts .*prompts.jsonl \(sha256"):
+        ppo.main(cfg)
+
+
+def test_a_val_file_without_a_usable_pair_is_refused_before_training(tiny, dpo_cache,  # noqa: F811
+                                                                     tmp_path):
+    # every row's two responses differ only after 64 tokens: once cut, they are identical
+    long = " the movie is good ." * 20
+    row = json.dumps({"prompt": "i liked it .", "chosen": long + " yes", "rejected": long + " no"})
+    (tmp_path / "val.jsonl").write_text((row + "\n") * 3)
+    val, train = str(tmp_path / "val.jsonl"), f"{tiny.root}/dpo-data/pairs_train.jsonl"
+    says = "val.jsonl has no usable pair: in each row chosen and rejected are identical once cut to"
+    with pytest.raises(SystemExit, match=says):
+        dpo.main(dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo"), val_pairs=val, ref="live"))
+    with pytest.raises(SystemExit, match=says):
+        reward.main(tiny_reward_config(tiny, tmp_path / "reward", val_pairs=val))
+    for stage in ("dpo", "reward"):  # refused before the first step
+        assert not os.path.exists(tmp_path / stage / "metrics.jsonl")
+    with pytest.raises(SystemExit, match=says):
+        precompute.main(precompute.Config(out_dir=str(tmp_path / "cache"), train_pairs=train,
+                                          ref_model=f"{tiny.sft}/model.safetensors", val_pairs=val))
+
+
+def test_the_metrics_rewrite_at_resume_is_atomic(tmp_path, monkeypatch):
+    lines = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(lines)
+
+    class Killed(Exception):
+        pass
+
+    def open_then_die(path, mode="r", **kw):  # a kill after open(path, "w"), before any write
+        f = open(path, mode, **kw)
+        if "w" in mode:
+            f.close()
+            raise Killed
+        return f
+
+    monkeypatch.setattr(plumbing, "open", open_then_die, raising=False)  # shadows the builtin
+    with pytest.raises(Killed):
+        plumbing.Logger(str(tmp_path), CPU).start(2)
+    assert (tmp_path / "metrics.jsonl").read_text() == lines  # the history is intact
+    monkeypatch.undo()
+    plumbing.Logger(str(tmp_path), CPU).start(2)
+    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_kill_during_a_checkpoint_write_leaks_nothing(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    net = torch.nn.Linear(4, 4)
+    plumbing.save_checkpoint(str(ckpt), 1, {"model": net}, {})
+    # Killed mid-write for real: a file-size limit of 64 KiB, and SIGXFSZ's default action (Python
+    # ignores it), end the process inside safetensors' save_file of a 4 MiB tensor.
+    code = ("import resource, signal, torch, plumbing; signal.signal(signal.SIGXFSZ, "
+            "signal.SIG_DFL); resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)); "
+            f"plumbing.save_checkpoint({str(ckpt)!r}, 2, {{'w': torch.zeros(1 << 20)}}, {{}})")
+    p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True)
+    assert p.returncode == -25  # SIGXFSZ
+    # what it leaves: safetensors' own hidden temp file (.tmpXXXXXX), or ours
+    leaked = set(os.listdir(ckpt)) - {"latest.json", "step-0000001.safetensors"}
+    assert leaked and all(plumbing.STALE_TEMP.fullmatch(f) for f in leaked), leaked
+    (ckpt / "notes.tmp").write_text("not ours")  # not a name we write: kept
+    said = []
+    plumbing.prepare_outputs({str(ckpt): "--out_dir"}, CPU, said.append)
+    assert sorted(os.listdir(ckpt)) == ["latest.json", "notes.tmp", "step-0000001.safetensors"]
+    assert said == [f"removed temp files that a killed run left in {ckpt}: "
+                    f"{', '.join(sorted(leaked))}"]
+    assert plumbing.checkpoint_state(str(ckpt))["step"] == 1  # the previous checkpoint, intact
+    # a save cleans up too: a killed save's temp files go with the checkpoint it replaces
+    (ckpt / ".tmpAb3dE9").write_bytes(b"x" * 100)
+    (ckpt / "step-0000002.safetensors.tmp").write_bytes(b"x")
+    plumbing.save_checkpoint(str(ckpt), 3, {"model": net}, {})
+    assert sorted(os.listdir(ckpt)) == ["latest.json", "notes.tmp", "step-0000003.safetensors"]
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(tiny, dpo_cache,  # noqa: F811
+                                                                    tmp_path):
+    (tmp_path / "a_file").write_text("in the way")
+    in_the_way = str(tmp_path / "a_file")
+    # refused before the inputs are even looked at (the missing train text would say so)
+    cfg = {**sft_args(tiny, in_the_way), "train_text": str(tmp_path / "missing.txt")}
+    with pytest.raises(SystemExit, match=f"{in_the_way} is a file, not a folder: move it away, or "
+                                         "pick another --out_dir"):
+        sft.main(sft.Config(**cfg))
+    os.makedirs(tmp_path / "dpo")
+    (tmp_path / "dpo" / "ckpt").write_text("in the way")  # found at the first checkpoint, before
+    with pytest.raises(SystemExit, match="dpo/ckpt is a file, not a folder"):
+        dpo.main(dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo")))
+    assert os.listdir(tmp_path / "dpo") == ["ckpt"]  # no step was run, no metrics written
+    # a cache to be built into a file: refused before anything is built or trained
+    with pytest.raises(SystemExit, match=f"{in_the_way} is a file, not a folder: move it away, or "
+                                         "pick another --ref_logps"):
+        dpo.main(dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo2"), ref_logps=in_the_way))
+    # a folder under a file cannot be created
+    with pytest.raises(SystemExit, match=r"cannot write in .*a_file/sub \(Not a directory\): pick "
+                                         "another --out_dir"):
+        precompute.main(dpo_pcfg(tiny, out=str(tmp_path / "a_file" / "sub")))
+
+
+def test_finite_divergence_stops_every_trainer(tiny, dpo_cache, tiny_rm, tmp_path):  # noqa: F811
+    # dpo.py --lr 30, as in the issue: the loss goes from log 2 to ~3e4 at step 2, all finite
+    cfg = dpo_cfg(tiny, "dpo-diverged", lr=30.0)
+    with pytest.raises(SystemExit, match=r"diverged: loss .* at step 2 is above 6.931 \(10x the "
+                                         r"first step's 0.6931\)"):
+        dpo.main(cfg)
+    assert not os.path.exists(os.path.join(cfg.out_dir, "model.safetensors"))
+    with pytest.raises(SystemExit, match=r"diverged: loss .* at step \d is above .* \(10x the "):
+        sft.main(sft.Config(**sft_args(tiny, tmp_path / "sft", steps=6, lr=30.0)))
+    with pytest.raises(SystemExit, match=r"diverged: loss .* at step \d is above 6.931 \(10x "):
+        reward.main(tiny_reward_config(tiny, tmp_path / "reward", steps=6, lr=30.0, warmup=1))
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the movie is"}) + "\n")
+    cfg = tiny_ppo_config(tiny, str(tiny_rm / "model.safetensors"), tmp_path / "ppo", str(prompts),
+                          lr=1.0)
+    with pytest.raises(SystemExit, match=r"diverged: approx_kl .* at iteration 1 is above 1 \("):
+        ppo.main(cfg)
+    assert not os.path.exists(tmp_path / "ppo" / "ckpt" / "latest.json")
+
+
+def test_truncation_counts_lost_eos_per_side_and_warns(tiny, dpo_cache, tmp_path,  # noqa: F811
+                                                       capsys):
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    long, short = " the movie is good ." * 10, " it felt odd ."
+    rows = [dict(prompt="i liked it .", chosen=long, rejected=short),
+            dict(prompt="i hated it .", chosen=short, rejected=long + " and bad .")]
+    ex, st = data.tokenize_pairs(tok, rows, 32, 8)
+    assert (st["chosen_lost_eos"], st["rejected_lost_eos"], st["truncated_response"]) == (1, 1, 2)
+    assert [e[k][-1] == tok.eos for e in ex for k in ("chosen", "rejected")] == [0, 1, 1, 0]
+
+    def stats(c, r, n=100, tp=0):
+        return dict(rows=n, truncated_prompt=tp, truncated_response=max(c, r), unusable=0,
+                    chosen_lost_eos=c, rejected_lost_eos=r)
+
+    warn = lambda s: data.truncation_warning(s, "f", 64, "")  # noqa: E731
+    assert warn(stats(4, 0)) == ""  # 4 of 100 cut, and 4 = 2·√4: within chance
+    assert "cuts f unevenly: 0 of 100 prompts" in warn(stats(5, 0))  # 5 > 2·√5 = 4.47
+    assert "cuts f heavily:" in warn(stats(3, 3, tp=6))  # 6 > 5% of 100
+    w = data.truncation_warning(stats(49, 3, n=66, tp=61), "hh.jsonl", 64, "Fix it.")  # the issue's
+    assert w.startswith("WARNING: truncation to 64 tokens cuts hh.jsonl heavily and unevenly: 61 "
+                        "of 66 prompts and 49 of 66 pairs' responses cut; 49 chosen and 3 rejected "
+                        "responses lost their EOS.") and w.endswith("Fix it.")
+    # a stage says it, and what to do, before anything else can fail (here: too few pairs)
+    (tmp_path / "hh.jsonl").write_text("".join(json.dumps(dict(rows[0], prompt=f"i liked {i} ."))
+                                               + "\n" for i in range(8)))
+    cfg = dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo"), ref="live", max_len=32,
+                  max_prompt_len=8, train_pairs=str(tmp_path / "hh.jsonl"))
+    with pytest.raises(SystemExit, match="fewer than --batch_size 16"):
+        dpo.main(cfg)
+    out = capsys.readouterr().out
+    assert ("hh.jsonl heavily and unevenly: 0 of 8 prompts and 8 of 8 pairs' responses cut; 8 "
+            "chosen and 0 rejected") in out and "Raise --max_len (up to π_ref's block_size)" in out
+
+
+def test_checkpoint_and_cache_files_get_the_mode_of_the_json_beside_them(tmp_path):
+    old = os.umask(0o027)
+    try:
+        plumbing.save_checkpoint(str(tmp_path / "ckpt"), 1, {"model": torch.nn.Linear(2, 2)}, {})
+        precompute.save_ref_logps(str(tmp_path / "train.safetensors"), torch.zeros(2, 3), {}, {},
+                                  {})
+        plumbing.atomic_write_json(str(tmp_path / "eval.json"), {})
+    finally:
+        os.umask(old)
+    mode = lambda p: os.stat(tmp_path / p).st_mode & 0o777  # noqa: E731
+    assert mode("eval.json") == 0o640  # 0666 less the umask, as open() gives
+    for p in ("ckpt/step-0000001.safetensors", "ckpt/latest.json", "train.safetensors"):
+        assert mode(p) == 0o640, p  # safetensors alone would leave 0600
+
+
+def test_too_little_data_says_how_much_there_is(tiny, dpo_cache, tmp_path):  # noqa: F811
+    (tmp_path / "five.txt").write_text("the movie is good . it felt odd .\n" * 5)
+    with pytest.raises(SystemExit, match="five.txt has 5 usable texts, fewer than --batch_size 16"):
+        sft.main(sft.Config(**{**sft_args(tiny, tmp_path / "sft"),
+                               "train_text": str(tmp_path / "five.txt")}))
+    rows = open(f"{tiny.root}/dpo-data/pairs_train.jsonl").readlines()[:5]
+    (tmp_path / "five.jsonl").write_text("".join(rows))
+    five = str(tmp_path / "five.jsonl")
+    with pytest.raises(SystemExit, match="five.jsonl has 5 usable pairs, fewer than --batch_size "
+                                         "16"):
+        dpo.main(dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo"), train_pairs=five,
+                         ref="live"))
+    with pytest.raises(SystemExit, match="five.jsonl has 5 usable pairs, fewer than --batch_size "
+                                         "8"):
+        reward.main(tiny_reward_config(tiny, tmp_path / "reward", train_pairs=five))
+
+
+def test_reward_resumed_equals_uninterrupted(tiny, dpo_cache, tmp_path):  # noqa: F811
+    reward.main(tiny_reward_config(tiny, tmp_path / "full"))
+    reward.main(tiny_reward_config(tiny, tmp_path / "split", stop_after=5))
+    reward.main(tiny_reward_config(tiny, tmp_path / "split"))  # resumes at step 5
+    a, b = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("full", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same operations in the same order
+    steps = [[json.loads(x)["step"] for x in open(tmp_path / n / "metrics.jsonl")]
+             for n in ("full", "split")]
+    assert steps[0] == steps[1] == [1, 10, 12]  # no extra line at the resumed run's first step
