@@ -179,7 +179,7 @@ def generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, to
     samples from softmax(logits / temperature) (top_k: only the k likeliest) with a KV cache, in eval
     mode (no dropout); the model's train/eval mode is restored after. Each row stops at its own EOS
     (kept, then pad_id); stops early when all rows have ended. A token is drawn by inverse CDF: the
-    first whose cumulative probability exceeds u·(total), u ~ U[0,1) one number per row and step:
+    first whose cumulative probability exceeds u, u ~ U[0,1), one number per row and step:
     uniforms[b, i] for row b's i-th new token when given ((B, >= max_new_tokens), e.g. rows of one
     tensor drawn for a whole global batch, so a row's sample does not depend on which rank or batch
     it is in), else drawn from `generator` step by step.

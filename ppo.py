@@ -304,9 +304,9 @@ def main(cfg):
         # -- rollout engine: one completion per prompt from the inference copy, with the KV cache.
         # Rollout j of the global batch draws its tokens from row j of uniforms seeded by (seed,
         # iteration), within the global batch's budget: the same rollouts on any world size.
-        g = torch.Generator().manual_seed(cfg.seed + 1_000_003 * it + 1)  # +1: not gp's stream
+        rng = torch.Generator().manual_seed(cfg.seed + 1_000_003 * it + 1)  # +1: not gp's stream
         n_new = T - max(len(prompts[i]) for i in batch)
-        U = torch.rand(cfg.rollout_batch, n_new, generator=g)[d.rank * B:(d.rank + 1) * B]
+        U = torch.rand(cfg.rollout_batch, n_new, generator=rng)[d.rank * B:(d.rank + 1) * B]
         P = max(len(prompts[i]) for i in idx)  # generate left-pads this rank's prompts to P
         out = generate(rollout, [prompts[i] for i in idx], n_new, tok.eos, tok.pad,
                        temperature=cfg.temperature, uniforms=U.to(d.device))
