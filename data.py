@@ -406,6 +406,13 @@ def encode_prompt(tok, prompt):
 def encode_response(tok, response):
     return tok.encode(response) + [tok.eos]
 
+def truncate_prompt(ids, n):
+    """A prompt's ids (BOS first) cut to at most n tokens: its BOS and its last n - 1 tokens, the
+    words nearest the response. The one rule of every stage that samples from a prompt (ppo.py,
+    evaluate.py, reward.py's offset); tokenize_pairs cuts pairs' prompts the same way."""
+    assert n >= 2, f"a prompt keeps its BOS and at least one token, not n={n}"
+    return ids if len(ids) <= n else ids[:1] + ids[len(ids) - n + 1:]
+
 def tokenize_pairs(tok, rows, max_len, max_prompt_len):
     """Rows {"prompt","chosen","rejected"} -> examples dict(index, prompt, chosen, rejected) of
     token ids, index = the row's position in rows (the reference log-prob cache key), and stats.

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import data
 import precompute
 import sft
-from evaluate import evaluate_policy, print_samples
+from evaluate import evaluate_policy, print_samples, summary
 from model import (anatomy, estimate_flops, format_anatomy, freeze, load_model, matmul_shapes,
                    model_flops, save_model)
 from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
@@ -343,11 +343,8 @@ def main(cfg):
                           {"val_accuracy": val_acc, "val_loss": val_loss, **ev,
                            "steps": cfg.steps, "loss": cfg.loss, "beta": cfg.beta})
         print_samples(ev, log.print)
-        log.print(f"held-out pairs: accuracy {val_acc:.3f}, loss {val_loss:.4f} | true reward "
-                  f"{ev['true_reward']:+.3f} ± {ev['true_reward_std']:.3f} (π_ref "
-                  f"{ev['ref_true_reward']:+.3f} ± {ev['ref_true_reward_std']:.3f}) | "
-                  f"KL(π‖π_ref) {ev['kl']:.3f} nats | win rate {ev['win_rate']:.3f} | saved "
-                  f"{cfg.out_dir}/model.safetensors")
+        log.print(f"held-out pairs: accuracy {val_acc:.3f}, loss {val_loss:.4f} | {summary(ev)} | "
+                  f"saved {cfg.out_dir}/model.safetensors")
     barrier(d)
     teardown(d)
 

@@ -3,13 +3,27 @@
     python evaluate.py --policy out/dpo/model.safetensors        # any saved policy, one process
     torchrun --nproc_per_node=8 evaluate.py --policy out/ppo/model.safetensors
 
-For each held-out prompt, sample k completions from the policy and k from π_ref (temperature 1, so the
-samples are the distributions the KL is about). Report, as in Figure 2 of the DPO paper:
-  true_reward   mean hidden reward of the policy's completions (the task's stand-in for a classifier)
-  kl            KL(π‖π_ref) estimated by the mean over samples y ~ π of Σ_t log π(y_t|·) − log π_ref(y_t|·),
-                summed over the response tokens with the same log-prob function training uses
-  win_rate      P(reward of π's completion > π_ref's completion for the same prompt), ties count half
+For each held-out prompt, sample k completions from the policy and k from π_ref (temperature 1, so
+the samples are the distributions the KL is about). One rule scores every completion, π_ref's,
+DPO's and PPO's alike, the rule PPO trains with (ppo.py): a completion that never emitted EOS (the
+block ran out) scores missing_eos_score, whatever its words; a finished one its hidden true reward.
+Report, as in Figure 2 of the DPO paper:
+  true_reward   mean score of the policy's completions by that rule (the hidden reward is the
+                task's stand-in for a classifier)
+  kl            KL(π‖π_ref) estimated by the mean over samples y ~ π of
+                Σ_t log π(y_t|·) − log π_ref(y_t|·), summed over the response tokens with the same
+                log-prob function training uses
+  win_rate      P(score of π's completion > score of π_ref's, same prompt), ties count half
+and what a reward that pays for words could hide: eos_rate (share of completions that emitted EOS),
+response_len (mean tokens of a completion, EOS included), true_reward_finished (mean true reward of
+the completions that emitted EOS; null if none did); ref_* the same for π_ref.
+The hidden reward belongs to the built-in task: on prompts its generator cannot write (a user's
+data), true_reward, win_rate and their ref_ twins are left out, `true_reward_omitted` says why, and
+kl, eos_rate and response_len stay.
+Any world size samples the same completions: completion j of the whole list draws its tokens from
+row j of uniforms seeded by `seed` (model.generate), and every completion has the same budget.
 """
+import math
 import os
 from dataclasses import dataclass
 
@@ -18,7 +32,16 @@ import torch.nn.functional as F
 
 import data
 from model import generate, load_model, sequence_logprobs
-from plumbing import all_reduce_sum, atomic_write_json, init_distributed, parse_config, teardown
+from plumbing import atomic_write_json, init_distributed, parse_config, reduce_sums, teardown
+
+MISSING_EOS_SCORE = -1.0  # ppo.py's default missing_eos_score: DPO, π_ref and compare.py use it
+
+
+def task_prompts(prompts):
+    """True when the built-in task's generator can write every prompt (whole sentences of its
+    language): only there does its hidden true reward mean anything. A prompt of 1 to 4 sentences,
+    doubled, is a text of 2 to 8, which data.text_logprob gives a finite log-probability."""
+    return all(math.isfinite(data.text_logprob(f"{p} {p}")) for p in set(prompts))
 
 
 @torch.no_grad()
@@ -31,46 +54,96 @@ def completion_logps(model, out):
 
 
 @torch.no_grad()
-def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_samples=3):
+def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_samples=3,
+                    missing_eos_score=MISSING_EOS_SCORE):
     """Sample, score and compare on `prompts` (a list of strings), sharded over ranks. Returns the
     DESIGN.md eval fields; `samples` holds the first few prompts with both models' completions."""
     was_training = policy.training
     policy.eval(), ref.eval()
     block = policy.config.block_size
-    rows = [(p, data.encode_prompt(tok, p)) for p in prompts for _ in range(k)][d.rank::d.world]
-    # Separate streams: π_ref's samples depend only on the seed, so every policy is compared with the
-    # same π_ref baseline; and they are independent of the policy's even when the two models are equal.
-    gens = [torch.Generator(device=d.device).manual_seed(s + d.rank) for s in (seed, seed + 1_000_003)]
-    sums = torch.zeros(7, dtype=torch.float64, device=d.device)  # n, r, r², r_ref, r_ref², kl, wins
-    samples = []
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i:i + batch_size]
-        ids = [p[-(block // 2):] for _, p in chunk]  # leave room for the completion
-        new = block - max(len(p) for p in ids)
-        outs = [generate(m, ids, new, tok.eos, tok.pad, temperature=1.0, generator=g)
-                for m, g in zip((policy, ref), gens)]
-        texts = [[tok.decode(t[r].tolist()) for t, r in zip(o["tokens"], o["response_mask"])] for o in outs]
-        r = torch.tensor([data.true_reward(p, y) for (p, _), y in zip(chunk, texts[0])], dtype=torch.float64)
-        r_ref = torch.tensor([data.true_reward(p, y) for (p, _), y in zip(chunk, texts[1])], dtype=torch.float64)
-        kl = (completion_logps(policy, outs[0]) - completion_logps(ref, outs[0])).double().cpu()
-        wins = (r > r_ref).double() + 0.5 * (r == r_ref).double()
-        sums += torch.stack([torch.tensor(float(len(chunk))), r.sum(), (r * r).sum(), r_ref.sum(),
-                             (r_ref * r_ref).sum(), kl.sum(), wins.sum()]).to(d.device)
-        samples += [{"prompt": p, "policy": y, "policy_reward": float(a), "ref": y_ref, "ref_reward": float(b)}
-                    for j, ((p, _), y, y_ref, a, b) in enumerate(zip(chunk, texts[0], texts[1], r, r_ref))
-                    if (i + j) % k == 0][:n_samples - len(samples)]  # one completion of each prompt
-    n, r, r2, rr, rr2, kl, wins = all_reduce_sum(sums, d).tolist()
+    hidden = task_prompts(prompts)
+    # a long prompt keeps its BOS and last block//2 - 1 tokens, leaving room for the completion
+    rows = [(p, data.truncate_prompt(data.encode_prompt(tok, p), block // 2))
+            for p in prompts for _ in range(k)]
+    n_new = block - max(len(x) for _, x in rows)  # every completion's budget, in any batch
+    # Separate streams: π_ref's samples depend only on the seed, so every policy is compared with
+    # the same π_ref baseline; and they are independent of the policy's even when the two models
+    # are equal. Row j of U: completion j's draws, on whichever rank and in whichever batch.
+    U = [torch.rand(len(rows), n_new, generator=torch.Generator().manual_seed(s))
+         for s in (seed, seed + 1_000_003)]
+    mine = list(range(d.rank, len(rows), d.world))
+    sums, samples = {}, []
+    for i in range(0, len(mine), batch_size):
+        j = mine[i:i + batch_size]
+        chunk = [rows[a] for a in j]
+        outs = [generate(m, [x for _, x in chunk], n_new, tok.eos, tok.pad, temperature=1.0,
+                         uniforms=u[j].to(d.device)) for m, u in zip((policy, ref), U)]
+        new = {"n": len(j), "kl": (completion_logps(policy, outs[0])
+                                   - completion_logps(ref, outs[0])).double().sum()}
+        sides = []
+        for side, o in zip(("", "ref_"), outs):
+            ended = ((o["tokens"] == tok.eos) & o["response_mask"]).any(1).cpu()
+            texts = [tok.decode(t[r].tolist()) for t, r in zip(o["tokens"], o["response_mask"])]
+            r = torch.tensor([data.true_reward(p, y) if hidden else 0.0
+                              for (p, _), y in zip(chunk, texts)], dtype=torch.float64)
+            score = torch.where(ended, r, missing_eos_score)  # PPO's rule, for every model
+            new |= {side + "eos": ended.sum(), side + "len": o["response_mask"].sum(),
+                    side + "score": score.sum(), side + "score2": (score * score).sum(),
+                    side + "finished": torch.where(ended, r, 0.0).sum()}
+            sides.append((texts, ended, score))
+        (texts, ended, score), (ref_texts, ref_ended, ref_score) = sides
+        new["wins"] = ((score > ref_score).double() + 0.5 * (score == ref_score).double()).sum()
+        for key, v in new.items():
+            sums[key] = sums.get(key, 0.0) + v
+        samples += [{"prompt": p, "policy": y, "policy_finished": bool(e), "ref": y_ref,
+                     "ref_finished": bool(e_ref),
+                     **({"policy_reward": float(s), "ref_reward": float(s_ref)} if hidden else {})}
+                    for a, (p, _), y, e, s, y_ref, e_ref, s_ref
+                    in zip(j, chunk, texts, ended, score, ref_texts, ref_ended, ref_score)
+                    if a % k == 0][:n_samples - len(samples)]  # one completion of each prompt
+    s = reduce_sums(d, **sums)
     policy.train(was_training)
-    return {"true_reward": r / n, "true_reward_std": max(r2 / n - (r / n) ** 2, 0) ** 0.5, "kl": kl / n,
-            "ref_true_reward": rr / n, "ref_true_reward_std": max(rr2 / n - (rr / n) ** 2, 0) ** 0.5,
-            "win_rate": wins / n, "n_completions": int(n), "samples": samples}
+    n = s["n"]
+    def std(side):
+        return max(s[side + "score2"] / n - (s[side + "score"] / n) ** 2, 0) ** 0.5
+
+    def finished(side):  # mean true reward of the finished completions; None if none finished
+        return s[side + "finished"] / s[side + "eos"] if s[side + "eos"] else None
+    res = {"kl": s["kl"] / n}
+    if hidden:
+        res |= {"true_reward": s["score"] / n, "true_reward_std": std(""),
+                "ref_true_reward": s["ref_score"] / n, "ref_true_reward_std": std("ref_"),
+                "win_rate": s["wins"] / n, "true_reward_finished": finished(""),
+                "ref_true_reward_finished": finished("ref_")}
+    else:
+        res["true_reward_omitted"] = ("the prompts are not the built-in task's (its generator "
+                                      "cannot write them): its hidden reward means nothing there")
+    return {**res, "eos_rate": s["eos"] / n, "response_len": s["len"] / n,
+            "ref_eos_rate": s["ref_eos"] / n, "ref_response_len": s["ref_len"] / n,
+            "n_completions": int(n), "samples": samples}
+
+
+def summary(res):
+    """The one line a stage prints about its evaluation; without the hidden reward, it says why."""
+    eos = (f"EOS rate {res['eos_rate']:.2f} (π_ref {res['ref_eos_rate']:.2f}) | length "
+           f"{res['response_len']:.1f} tokens (π_ref {res['ref_response_len']:.1f})")
+    kl = f"KL(π‖π_ref) {res['kl']:.3f} nats"
+    if "true_reward" not in res:
+        return f"{kl} | {eos} | no true reward: {res['true_reward_omitted']}"
+    return (f"true reward {res['true_reward']:+.3f} ± {res['true_reward_std']:.3f} (π_ref "
+            f"{res['ref_true_reward']:+.3f} ± {res['ref_true_reward_std']:.3f}) | {kl} | win rate "
+            f"{res['win_rate']:.3f} | {eos}")
 
 
 def print_samples(result, log):
-    """A few prompts with π_ref's and the policy's completions and their true rewards."""
+    """A few prompts with π_ref's and the policy's completions and their scores (if any)."""
+    def tag(s, side):
+        end = "" if s[side + "_finished"] else ", no EOS"
+        return (f"({s[side + '_reward']:+.2f}{end})" if side + "_reward" in s
+                else f"({end[2:] or 'ended'})")
     for s in result["samples"]:
-        log(f"prompt: {s['prompt']!r}\n  π_ref  ({s['ref_reward']:+.2f}): {s['ref']!r}\n"
-            f"  policy ({s['policy_reward']:+.2f}): {s['policy']!r}")
+        log(f"prompt: {s['prompt']!r}\n  π_ref  {tag(s, 'ref')}: {s['ref']!r}\n"
+            f"  policy {tag(s, 'policy')}: {s['policy']!r}")
 
 
 @dataclass
@@ -79,7 +152,8 @@ class Config:
     ref: str = "out/sft/model.safetensors"  # π_ref; its folder holds tokenizer.json
     prompts: str = "out/task/prompts_eval.jsonl"  # held-out prompts, JSONL {"prompt": ...}
     k: int = 4  # completions per prompt from each model
-    seed: int = 0  # sampling seed (each rank adds its rank)
+    seed: int = 0  # sampling seed (the same completions on any world size)
+    missing_eos_score: float = MISSING_EOS_SCORE  # score of a completion without EOS (PPO's rule)
     out: str = ""  # write the result as JSON here ("" = print only)
 
 
@@ -91,10 +165,11 @@ def main(cfg):
     tok = data.load_tokenizer(os.path.join(os.path.dirname(cfg.ref), "tokenizer.json"))
     policy, _ = load_model(cfg.policy, d.device)
     ref, _ = load_model(cfg.ref, d.device)
-    res = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.prompts), d, k=cfg.k, seed=cfg.seed)
+    res = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.prompts), d, k=cfg.k,
+                          seed=cfg.seed, missing_eos_score=cfg.missing_eos_score)
     if d.is_main:
         print_samples(res, print)
-        print(" | ".join(f"{k} {v:.4f}" for k, v in res.items() if isinstance(v, float)))
+        print(summary(res))
         if cfg.out:
             atomic_write_json(cfg.out, res)
     teardown(d)

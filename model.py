@@ -234,12 +234,16 @@ def new_kv_cache(model, B, max_len, device, dtype):
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, top_k=None,
-             generator=None):
+             generator=None, uniforms=None):
     """prompts: list of B lists of token ids, of any lengths >= 1. Left-pads them to P = max
     length, then samples from softmax(logits / temperature) (top_k: only the k likeliest) with a KV
     cache, in eval mode (no dropout); the model's train/eval mode is restored after. Each row stops
-    at its own EOS (kept, then pad_id); stops early when all rows have ended. Returns dict, all
-    (B, P+N), N <= max_new_tokens:
+    at its own EOS (kept, then pad_id); stops early when all rows have ended. A token is drawn by
+    inverse CDF: the first whose cumulative probability exceeds u, u ~ U[0,1), one number per row
+    and step: uniforms[b, i] for row b's i-th new token when given ((B, >= max_new_tokens), e.g.
+    rows of one tensor drawn for a whole global batch, so a row's sample does not depend on which
+    rank or batch it is in), else drawn from `generator` step by step.
+    Returns dict, all (B, P+N), N <= max_new_tokens:
       tokens long          left-padded prompt, response, then pad_id
       mask bool            True on real tokens (prompt and response, EOS included)
       response_mask bool   True on sampled tokens up to and including EOS
@@ -274,7 +278,12 @@ def generate(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, to
             if top_k is not None:
                 kth = torch.topk(x, min(top_k, x.shape[-1])).values[:, -1:]
                 x = x.masked_fill(x < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(x, dim=-1), 1, generator=generator).squeeze(1)
+            u = (uniforms[:, t - P] if uniforms is not None
+                 else torch.rand(B, device=p0.device, generator=generator))
+            # in fp64, u·total < total: the token found has probability > 0 (never a top-k cut one)
+            cdf = F.softmax(x, dim=-1).double().cumsum(-1)
+            v = (u.double() * cdf[:, -1]).unsqueeze(1)
+            nxt = torch.searchsorted(cdf, v, right=True).squeeze(1)
             nxt = torch.where(done, pad_id, nxt)  # an ended row gets pad, masked out
             tokens[:, t], mask[:, t] = nxt, ~done
             lp = token_logprobs(logits[:, None], nxt[:, None], temperature)[:, 0]

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import data
 import reward
 import sft
-from evaluate import evaluate_policy, print_samples
+from evaluate import evaluate_policy, print_samples, summary
 from model import (anatomy, estimate_flops, format_anatomy, freeze, generate, generate_flops,
                    matmul_shapes, model_flops, save_model, sequence_logprobs)
 from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, clock,
@@ -236,9 +236,7 @@ def main(cfg):
           "the folder of --sft")
     tok = data.load_tokenizer(tok_path)
     texts = data.read_prompts(cfg.prompts)
-    K = cfg.max_prompt_len
-    prompts = [p if len(p) <= K else p[:1] + p[len(p) - K + 1:]
-               for p in (data.encode_prompt(tok, t) for t in texts)]
+    prompts = [data.truncate_prompt(data.encode_prompt(tok, t), cfg.max_prompt_len) for t in texts]
     check(len(prompts) >= cfg.rollout_batch, f"{cfg.prompts} has {len(prompts)} prompts, fewer "
           f"than --rollout_batch {cfg.rollout_batch}")
     check(cfg.rollout_batch % cfg.mini_batch == 0, f"--rollout_batch {cfg.rollout_batch} is not "
@@ -318,16 +316,19 @@ def main(cfg):
             g["lr"] = lr
 
         # -- batch: this rank's share of the iteration's global batch of prompts
-        idx = data.global_batch(len(prompts), cfg.rollout_batch, it, cfg.seed)
-        idx = data.rank_slice(idx, d.rank, d.world)
+        batch = data.global_batch(len(prompts), cfg.rollout_batch, it, cfg.seed)
+        idx = data.rank_slice(batch, d.rank, d.world)
         lap(times, "batch", d)
 
-        # -- rollout engine: one completion per prompt from the inference copy, with the KV cache
-        gen = torch.Generator(device=d.device)
-        gen.manual_seed(cfg.seed + 1_000_003 * it + d.rank)  # each rank samples its own
-        P = max(len(prompts[i]) for i in idx)
-        out = generate(rollout, [prompts[i] for i in idx], T - P, tok.eos, tok.pad,
-                       temperature=cfg.temperature, generator=gen)
+        # -- rollout engine: one completion per prompt from the inference copy, with the KV cache.
+        # Rollout j of the global batch draws its tokens from row j of uniforms seeded by (seed,
+        # iteration), within the global batch's budget: the same rollouts on any world size.
+        rng = torch.Generator().manual_seed(cfg.seed + 1_000_003 * it + 1)  # +1: not gp's stream
+        n_new = T - max(len(prompts[i]) for i in batch)
+        U = torch.rand(cfg.rollout_batch, n_new, generator=rng)[d.rank * B:(d.rank + 1) * B]
+        P = max(len(prompts[i]) for i in idx)  # generate left-pads this rank's prompts to P
+        out = generate(rollout, [prompts[i] for i in idx], n_new, tok.eos, tok.pad,
+                       temperature=cfg.temperature, uniforms=U.to(d.device))
         tokens, mask = out["tokens"], out["mask"]  # (B, L): left-padded prompt, response, pad
         resp, rmask = tokens[:, P:], out["response_mask"][:, P:]  # (B, N): the response columns
         targets = resp.masked_fill(~rmask, -100)
@@ -506,7 +507,8 @@ def main(cfg):
     # against π_ref's own fp32 copy: the frozen one may hold bf16 weights, which run only under
     # autocast, and sampling runs without
     ref = reward.load_trunk(cfg.sft, "lm", d.device)[0]
-    ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k)
+    ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
+                         missing_eos_score=cfg.missing_eos_score)
     if d.is_main:
         if timed > 0:
             log.print("share of an iteration: "
@@ -522,10 +524,7 @@ def main(cfg):
             "reward_model_val_accuracy": rm_meta.get("val_accuracy"), "time_shares": shares,
             "anatomy": layout})
         print_samples(ev, log.print)
-        log.print(f"true reward {ev['true_reward']:+.3f} ± {ev['true_reward_std']:.3f} (π_ref "
-                  f"{ev['ref_true_reward']:+.3f} ± {ev['ref_true_reward_std']:.3f}) | KL(π‖π_ref) "
-                  f"{ev['kl']:.3f} nats | win rate {ev['win_rate']:.3f} | saved "
-                  f"{cfg.out_dir}/model.safetensors")
+        log.print(f"{summary(ev)} | saved {cfg.out_dir}/model.safetensors")
     barrier(d)
     teardown(d)
 

@@ -142,17 +142,21 @@ def ref_scores(rm, ref, tok, prompts, d, seed, batch_size=64):
     """Sample one completion per prompt from π_ref (temperature 1, the KV-cache sampler PPO's
     rollout engine uses), sharded over ranks, and score it with r_φ. Returns global sums {n, r, r2,
     t, t2, rt} of r_φ's score r and the hidden true reward t (their correlation: what r_φ learned
-    of the truth)."""
+    of the truth). Prompt j samples from row j of uniforms drawn for all prompts, with one token
+    budget for all: the same completions, hence the same offset, on any world size."""
     block, s = ref.config.block_size, dict.fromkeys(["n", "r", "r2", "t", "t2", "rt"], 0.0)
-    mine = prompts[d.rank::d.world]
-    g = torch.Generator(device=d.device).manual_seed(seed + d.rank)
+    ids = [data.truncate_prompt(data.encode_prompt(tok, p), block // 2) for p in prompts]
+    n_new = block - max(map(len, ids))
+    U = torch.rand(len(prompts), n_new, generator=torch.Generator().manual_seed(seed))
+    mine = list(range(d.rank, len(prompts), d.world))
     for i in range(0, len(mine), batch_size):
-        ids = [data.encode_prompt(tok, p)[-(block // 2):] for p in mine[i:i + batch_size]]
-        out = generate(ref, ids, block - max(map(len, ids)), tok.eos, tok.pad, generator=g)
+        j = mine[i:i + batch_size]
+        out = generate(ref, [ids[a] for a in j], n_new, tok.eos, tok.pad,
+                       uniforms=U[j].to(d.device))
         with autocast(d.device):
             r = score_at_last(rm(out["tokens"], mask=out["mask"]).float(), out["mask"]).double()
-        t = torch.tensor([data.true_reward(p, tok.decode(y[m].tolist())) for p, y, m in
-                          zip(mine[i:i + batch_size], out["tokens"], out["response_mask"])],
+        t = torch.tensor([data.true_reward(prompts[a], tok.decode(y[m].tolist())) for a, y, m in
+                          zip(j, out["tokens"], out["response_mask"])],
                          dtype=torch.float64, device=d.device)
         for k, v in (("n", len(r)), ("r", r.sum()), ("r2", (r * r).sum()), ("t", t.sum()),
                      ("t2", (t * t).sum()), ("rt", (r * t).sum())):

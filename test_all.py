@@ -5,6 +5,7 @@ script, `torchrun --nproc_per_node=2` on the CPU included.
     pytest test_all.py            # the whole suite
     pytest test_all.py -k dpo     # one area
 """
+import copy
 import os
 
 # The suite runs on the CPU whatever the machine: its tolerances are fp32 CPU numerics', and its
@@ -41,6 +42,7 @@ import compare
 import costs
 import data
 import dpo
+import evaluate
 import gpu
 import plumbing
 import ppo
@@ -888,6 +890,33 @@ def test_tokenize_pairs_truncation_rule(tok):
     with pytest.raises(AssertionError, match="max_prompt_len"):
         data.tokenize_pairs(tok, rows, max_len=8, max_prompt_len=8)
 
+def test_one_prompt_truncation_rule_keeps_bos(tok, monkeypatch):
+    ids = list(range(100, 110))  # a BOS (100) and 9 tokens
+    assert data.truncate_prompt(ids, 4) == [100, 107, 108, 109]  # BOS and the last 3
+    assert data.truncate_prompt(ids, 10) == ids and data.truncate_prompt(ids, 11) == ids
+    # every stage that samples from a prompt hands the sampler this rule's ids: evaluate.py and
+    # reward.py's offset keep block // 2 = 32 tokens (ppo.py: test_ppo_loop_wiring)
+    long = " ".join(["the movie is great ."] * 8)
+    x = data.encode_prompt(tok, long)
+    assert len(x) > 32
+    seen = []
+
+    def spy(model, prompts, *a, **kw):
+        seen.append(prompts)
+        return generate(model, prompts, *a, **kw)
+    for module in (evaluate, reward):
+        monkeypatch.setattr(module, "generate", spy)
+    lm = constant_gpt(tok.vocab_size, tok.eos)
+    rm = GPT(GPTConfig(block_size=64, vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_embd=4,
+                       head="scalar")).eval()
+    evaluate_policy(lm, lm, tok, [long, "it felt good ."], init_distributed(), k=1)
+    reward.ref_scores(rm, lm, tok, [long, "it felt good ."], init_distributed(), seed=0)
+    assert len(seen) == 3  # the policy's and π_ref's samples, and the offset's
+    for prompts in seen:
+        assert prompts == [data.truncate_prompt(x, 32), data.encode_prompt(tok, "it felt good .")]
+        assert prompts[0][0] == tok.eos and prompts[0][1:] == x[-31:]
+
+
 def test_tokenize_texts(tok):
     texts = ["it felt great . it felt good .", "it felt great . it felt good . it felt fine ."]
     ex, st = data.tokenize_texts(tok, texts, max_len=10)
@@ -1263,6 +1292,38 @@ def test_cached_equals_live(tiny, dpo_cache):  # noqa: F811
     assert {"val_accuracy", "true_reward", "kl", "ref_true_reward", "ref_true_reward_std", "samples"} <= ev.keys()
 
 
+def test_cache_rows_follow_their_index_when_rows_are_dropped(tiny, dpo_cache):  # noqa: F811
+    own = tiny.root / "dpo-dropped"
+    os.makedirs(own)
+    # line 1 of each file: responses identical within max_len, unusable, left out, so that every
+    # example's index (its row, the cache key) is its position in the examples plus 1
+    long = " it felt fine ." * 20
+    bad = {"prompt": "it felt good .", "chosen": long + " it felt great .",
+           "rejected": long + " it felt dull ."}
+    for name, n in (("pairs_train.jsonl", 32), ("pairs_val.jsonl", 16)):
+        rows = open(tiny.root / "dpo-data" / name).readlines()[:n]
+        (own / name).write_text(json.dumps(bad) + "\n" + "".join(rows))
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    ex, st = data.tokenize_pairs(tok, data.read_pairs(str(own / "pairs_train.jsonl")), 64, 16)
+    assert st["unusable"] == 1 and [e["index"] for e in ex] == list(range(1, 33))
+    pc = precompute.Config(out_dir=str(own / "cache"), ref_model=f"{tiny.sft}/model.safetensors",
+                           train_pairs=str(own / "pairs_train.jsonl"),
+                           val_pairs=str(own / "pairs_val.jsonl"))
+    precompute.main(pc)
+    runs = {}
+    for ref in ("cache", "live"):
+        cfg = dpo_cfg(tiny, f"dpo-dropped/{ref}", ref=ref, train_pairs=pc.train_pairs,
+                      val_pairs=pc.val_pairs, ref_logps=pc.out_dir, steps=2, eval_every=1)
+        dpo.main(cfg)
+        runs[ref] = dpo_metrics(cfg.out_dir)
+    # step 1: π = π_ref, so each pair's cached log π_ref is its own log π: rewards 0, loss ln 2
+    first = runs["cache"][0]
+    assert abs(first["loss"] - math.log(2)) <= DPO_TOL and abs(first["rewards/margins"]) <= DPO_TOL
+    for x, y in zip(runs["cache"], runs["live"]):  # train and val pairs, cached against live
+        for k in ("loss", "rewards/margins", "grad_norm", "val_loss", "val_accuracy"):
+            assert abs(x[k] - y[k]) <= DPO_TOL, k
+
+
 def test_resumed_equals_uninterrupted(tiny, dpo_cache):  # noqa: F811
     full, part = dpo_cfg(tiny, "dpo-full", steps=4), dpo_cfg(tiny, "dpo-resumed", steps=4, stop_after=2)
     dpo.main(full)
@@ -1626,51 +1687,182 @@ def test_broadcast_weights_two_gloo_ranks(tmp_path):
 
 
 def tiny_ppo_config(tiny, rm, out, eval_prompts, **kw):
-    return ppo.Config(out_dir=str(out), sft=f"{tiny.sft}/model.safetensors", reward_model=rm,
-                      prompts=f"{tiny.task}/prompts_train.jsonl", eval_prompts=eval_prompts, iterations=3,
-                      rollout_batch=8, mini_batch=4, micro_batch_size=2, ppo_epochs=2, eval_k=1, **kw)
+    base = dict(out_dir=str(out), sft=f"{tiny.sft}/model.safetensors", reward_model=rm,
+                prompts=f"{tiny.task}/prompts_train.jsonl", eval_prompts=eval_prompts, iterations=3,
+                rollout_batch=8, mini_batch=4, micro_batch_size=2, ppo_epochs=2, eval_k=1)
+    return ppo.Config(**{**base, **kw})
+
+
+def reward_args(tiny, out):
+    return dict(out_dir=str(out), sft=f"{tiny.sft}/model.safetensors",
+                train_pairs=f"{tiny.task}/pairs_train.jsonl",
+                val_pairs=f"{tiny.task}/pairs_val.jsonl",
+                prompts=f"{tiny.task}/prompts_train.jsonl",
+                steps=4, batch_size=8, micro_batch_size=2, eval_every=4, offset_samples=16)
 
 
 @pytest.fixture(scope="module")
 def tiny_rm(tiny):
     """reward.py on two gloo ranks, a few steps on the tiny stack; returns its folder."""
     out = tiny.root / "ppo-test" / "reward"
-    run_torchrun("reward.py", [f"--out_dir={out}", f"--sft={tiny.sft}/model.safetensors",
-                               f"--train_pairs={tiny.task}/pairs_train.jsonl", f"--val_pairs={tiny.task}/pairs_val.jsonl",
-                               f"--prompts={tiny.task}/prompts_train.jsonl", "--steps=4", "--batch_size=8",
-                               "--micro_batch_size=2", "--eval_every=4", "--offset_samples=16"])
+    run_torchrun("reward.py", as_flags(reward_args(tiny, out)))
     return out
 
 
-def test_reward_two_ranks(tiny_rm):
-    with open(tiny_rm / "eval.json") as f:
-        ev = json.load(f)
-    assert 0 <= ev["val_accuracy"] <= 1 and math.isfinite(ev["offset"])
-    with open(tiny_rm / "metrics.jsonl") as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 4]
+@pytest.fixture(scope="module")
+def ppo_eval_prompts(tiny):
+    path = tiny.root / "ppo-test" / "eval_prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                            for p in data.read_prompts(f"{tiny.task}/prompts_eval.jsonl")[:8]))
+    return str(path)
 
 
-def test_ppo_two_ranks_and_resume(tiny, tiny_rm):
+# Two ranks against one process, reward.py and ppo.py alike: the same global batches and the same
+# token normalisation, so the runs differ only in the order of fp32 sums (all-reduce, accumulation,
+# batch shapes) and, after the first update, in Adam's lr·m/√v turning that rounding noise on
+# near-zero gradients into steps of up to ~lr (see test_sft_two_ranks_equal_...). Compared where
+# that leaves the math tight: each logged step's losses and gradient norm, and what the final
+# weights compute. Measured differences, one process at 1 and 2 threads: <= 7e-7 (reward: the
+# offset's correlation, from a std of 9e-4; ppo: explained_variance, 4.8e-7); the bugs these tests
+# guard against (a missing x world, the all-reduce on the wrong micro-step, per-rank whitening or
+# sampling, a metric divided by the world size) move them by > 1e-3.
+TWO_RANK_TOL = 1e-5
+
+
+def test_reward_two_ranks_equal_one_process(tiny, tiny_rm, tmp_path):
+    reward.main(reward.Config(**reward_args(tiny, tmp_path)))  # 1 rank x 4 micro-steps of 2 pairs
+    a, b = read_metrics(tmp_path), read_metrics(tiny_rm)  # tiny_rm: 2 ranks x 2 micro-steps of 2
+    assert [x["step"] for x in a] == [y["step"] for y in b] == [1, 4]
+    for k in ("loss", "accuracy", "margin", "grad_norm", "val_loss", "val_accuracy"):
+        assert all(abs(x[k] - y[k]) <= TWO_RANK_TOL * max(1, abs(x[k])) for x, y in zip(a, b)
+                   if k in x), k
+    # the offset: r_φ on π_ref's completions, sampled alike on any world size
+    ea, eb = (json.loads((p / "eval.json").read_text()) for p in (tmp_path, tiny_rm))
+    for k in ("val_accuracy", "val_loss", "offset", "ref_score_std", "ref_true_reward_corr"):
+        assert abs(ea[k] - eb[k]) <= TWO_RANK_TOL, k
+
+
+def test_ppo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_eval_prompts):
     root, rm = tiny.root / "ppo-test", str(tiny_rm / "model.safetensors")
-    prompts = root / "eval_prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n"
-                               for p in data.read_prompts(f"{tiny.task}/prompts_eval.jsonl")[:8]))
-    cfg = tiny_ppo_config(tiny, rm, root / "ppo2", str(prompts))
-    run_torchrun("ppo.py", [f"--{k}={v}" for k, v in vars(cfg).items() if not isinstance(v, bool)])
-    with open(root / "ppo2" / "eval.json") as f:
-        ev = json.load(f)
-    assert math.isfinite(ev["true_reward"]) and math.isfinite(ev["kl"]) and set(ev["time_shares"]) == set(ppo.PHASES)
-    with open(root / "ppo2" / "metrics.jsonl") as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
-    # one process: uninterrupted, and stopped after 2 iterations then resumed; also --reward true and adaptive KL
+    # One iteration of 2 epochs over one minibatch (whose rows are then the same on any world
+    # size): 1 process x 4 micro-steps of 2 rollouts, 2 ranks x 2. lr 1e-3: the second epoch
+    # clips some ratios, so clipfrac and approx_kl are not 0 and their normalisation shows.
+    one = tiny_ppo_config(tiny, rm, root / "ppo1", ppo_eval_prompts, iterations=1, mini_batch=8,
+                          lr=1e-3)
+    ppo.main(one)
+    two = replace(one, out_dir=str(root / "ppo2"))
+    run_torchrun("ppo.py", [f"--{k}={v}" for k, v in vars(two).items() if not isinstance(v, bool)])
+    (a,), (b,) = read_metrics(one.out_dir), read_metrics(two.out_dir)
+    # the same rollouts: each one's tokens come from its own row of uniforms, on any rank
+    for k in ("response_len", "eos_rate", "true_reward"):
+        assert a[k] == b[k], k
+    assert 0 < a["eos_rate"] < 1 and a["clipfrac"] > 0 and a["approx_kl"] > 1e-4
+    for k in ("score", "entropy", "kl", "loss/policy", "loss/value", "approx_kl", "clipfrac",
+              "explained_variance", "grad_norm"):
+        assert abs(a[k] - b[k]) <= TWO_RANK_TOL * max(1, abs(a[k])), k
+    ea, eb = (json.loads(open(os.path.join(c.out_dir, "eval.json")).read()) for c in (one, two))
+    assert set(eb["time_shares"]) == set(ppo.PHASES)
+    # π_ref's side of the evaluation does not depend on the update: the same completions, exactly
+    for k in ("ref_true_reward", "ref_eos_rate", "ref_response_len", "ref_true_reward_finished"):
+        assert ea[k] == eb[k], k
+    # the policy's KL after the update: a sum of ~45 tokens' log-ratios under weights that went
+    # through two Adam steps (lr 1e-3) on each side; measured 5.6e-6 relative
+    assert abs(ea["kl"] - eb["kl"]) <= 1e-4 * max(1, abs(ea["kl"]))
+
+
+def test_ppo_resumed_equals_uninterrupted(tiny, tiny_rm, ppo_eval_prompts):
+    root, rm = tiny.root / "ppo-test", str(tiny_rm / "model.safetensors")
+    # stopped after 2 iterations then resumed; also --reward true and adaptive KL
     for name, extra in [("full", {}), ("split", {"stop_after": 2})]:
-        ppo.main(tiny_ppo_config(tiny, rm, root / name, str(prompts), reward="true", adaptive_kl=True, **extra))
-    ppo.main(tiny_ppo_config(tiny, rm, root / "split", str(prompts), reward="true", adaptive_kl=True))
+        ppo.main(tiny_ppo_config(tiny, rm, root / name, ppo_eval_prompts, reward="true",
+                                 adaptive_kl=True, **extra))
+    ppo.main(tiny_ppo_config(tiny, rm, root / "split", ppo_eval_prompts, reward="true",
+                             adaptive_kl=True))
     a, b = (load_file(str(root / n / "model.safetensors")) for n in ("full", "split"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    rows = [[json.loads(line) for line in open(root / n / "metrics.jsonl")] for n in ("full", "split")]
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "share/", "tokens_per", "mfu"))}  # noqa: E731
+    rows = [read_metrics(root / n) for n in ("full", "split")]
+    assert [r["step"] for r in rows[0]] == [1, 2, 3]
+    strip = lambda r: {k: v for k, v in r.items()  # noqa: E731
+                       if not k.startswith(("time/", "share/", "tokens_per", "mfu"))}
     assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]
+
+
+def test_ppo_loop_wiring(tiny, tiny_rm, tmp_path, monkeypatch):
+    """Two real iterations in one process, each phase's output caught on its way into the next
+    (spies that call the real functions) and checked against the obvious computation from the
+    rollouts: the per-token rewards GAE sees (KL term, score, missing-EOS rule, temperature), GAE's
+    γ and λ, the ratio on the first minibatch, the whitened advantages, the value clip."""
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    long = " ".join(["the movie is great ."] * 8)  # over max_prompt_len: cut, BOS kept
+    texts = data.read_prompts(f"{tiny.task}/prompts_train.jsonl")[:7] + [long]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n"
+                                                    for t in texts))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n"
+                                                 for t in texts[:4]))
+    rm = str(tiny_rm / "model.safetensors")
+    cfg = tiny_ppo_config(tiny, rm, tmp_path / "ppo", str(tmp_path / "eval.jsonl"), iterations=2,
+                          prompts=str(tmp_path / "prompts.jsonl"), lr=1e-3, temperature=0.7,
+                          gamma=0.9, lam=0.8, kl_coef=0.1, missing_eos_score=-3.0, eval_k=2)
+    seen = {"gen": [], "gae": [], "pg": [], "vf": []}
+
+    def spy(name, f, keep):
+        def g(*a, **kw):
+            out = f(*a, **kw)
+            seen[name].append(keep(a, kw, out))
+            return out
+        monkeypatch.setattr(ppo, f.__name__, g)
+    spy("gen", ppo.generate, lambda a, kw, out: (copy.deepcopy(a[0]), a[1], kw, out))
+    spy("gae", ppo.gae, lambda a, kw, out: a)
+    spy("pg", ppo.ppo_policy_loss, lambda a, kw, out: (a[0].detach(), *a[1:4], *out[1:]))
+    spy("vf", ppo.ppo_value_loss, lambda a, kw, out: a[4])
+    ppo.main(cfg)
+    ref = reward.load_trunk(cfg.sft, "lm", "cpu")[0].eval()
+    r_phi = reward.load_trunk(rm, "scalar", "cpu")[0].eval()
+    want_prompts = sorted(data.truncate_prompt(data.encode_prompt(tok, t), cfg.max_prompt_len)
+                          for t in texts)
+    calls = len(seen["pg"]) // cfg.iterations  # ppo_epochs x minibatches x micro-steps
+    assert len(seen["gen"]) == len(seen["gae"]) == cfg.iterations and calls == 8
+    for it, metrics in enumerate(read_metrics(cfg.out_dir)):
+        engine, prompts, kw, out = seen["gen"][it]
+        rewards, values, rmask, gamma, lam = seen["gae"][it]
+        assert sorted(prompts) == want_prompts and kw["temperature"] == cfg.temperature
+        assert (gamma, lam) == (cfg.gamma, cfg.lam)
+        # the rewards, the obvious way: log-probs at temperature T from the rollout engine (the
+        # policy's copy) and π_ref, r_φ at the last real token, the score on the last response
+        # token, and missing_eos_score for a response that never emitted EOS
+        P = max(map(len, prompts))
+        tokens, mask, resp = out["tokens"], out["mask"], out["tokens"][:, P:]
+        assert torch.equal(out["response_mask"][:, P:], rmask)
+        targets = resp.masked_fill(~rmask, -100)
+        with torch.no_grad():
+            lp = token_logprobs(engine(tokens, mask=mask)[:, P - 1:-1], targets, cfg.temperature)
+            lq = token_logprobs(ref(tokens, mask=mask)[:, P - 1:-1], targets, cfg.temperature)
+            raw = reward.score_at_last(r_phi(tokens, mask=mask), mask)
+        ended = ((resp == tok.eos) & rmask).any(1)
+        assert 0 < ended.sum() < len(ended)  # both sides of the missing-EOS rule
+        want = torch.where(rmask, -cfg.kl_coef * (lp - lq), 0.0)
+        last = rmask.long().cumsum(1).argmax(1)  # the first index of the maximum: the last True
+        want[torch.arange(len(want)), last] += torch.where(ended, raw, cfg.missing_eos_score)
+        # the same fp32 forwards on the same batch as the loop's: measured equal to 0
+        torch.testing.assert_close(rewards, want, atol=1e-6, rtol=0)
+        if it > 0:  # the policy moved: the KL term is there to see
+            assert (lp - lq)[rmask].abs().max() > 1e-2
+        # first minibatch: π = π_old, so ratio 1, nothing clipped. Measured exactly 0 here; the
+        # same weights on 2 rows against 8 may round differently elsewhere (fp32: ~1e-7)
+        mine = seen["pg"][it * calls:(it + 1) * calls]
+        for logp, old, adv, m, clipfrac, approx_kl in mine[:2]:  # 2 micro-steps
+            assert torch.where(m, logp - old, 0.0).abs().max() <= 1e-6
+            assert clipfrac == 0 and approx_kl <= 1e-12
+        # the first epoch (2 minibatches) covers every rollout once: advantages whitened over all
+        adv = torch.cat([a[m] for _, _, a, m, *_ in mine[:4]]).double()
+        assert abs(adv.mean()) <= 1e-6 and abs(adv.std() - 1) <= 1e-5
+        assert metrics["logprob_gap"] <= 1e-6  # the trainer's log-probs at T: the engine's
+    assert seen["vf"] and all(eps == cfg.cliprange_value for eps in seen["vf"])
+    # the final evaluation scores by the loop's own missing_eos_score
+    ev = json.loads((tmp_path / "ppo" / "eval.json").read_text())
+    assert 0 < ev["eos_rate"] < 1
+    finished = ev["eos_rate"] * ev["true_reward_finished"]
+    assert ev["true_reward"] == pytest.approx(finished + (1 - ev["eos_rate"]) * -3.0, abs=1e-12)
 
 
 def test_ppo_stops_on_non_finite(tiny, tiny_rm, tmp_path):
@@ -1722,6 +1914,113 @@ def test_reference_against_itself_kl_zero_win_rate_half(tiny):  # noqa: F811
     # exactly 1/2 for every prompt; its variance is at most 1/4, so the mean of n lies within 4 standard
     # errors, 4·(1/2)/√n = 0.1, except with probability < 1e-4.
     assert abs(res["win_rate"] - 0.5) <= 4 * 0.5 / math.sqrt(n)
+
+
+def constant_gpt(vocab_size, favourite, block_size=64):
+    """A GPT whose next-token distribution ignores its input: ln_f's gain is 0, so every position's
+    logits are ln_f.bias · wte^T, here coordinate 0 of each token's embedding: +20 for
+    `favourite`, -20 for the others. It emits `favourite` (any other token: probability ~e^-40)."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=1, n_head=1,
+                      n_embd=4)).double()
+    with torch.no_grad():
+        m.transformer.ln_f.weight.zero_()
+        m.transformer.ln_f.bias.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+        m.transformer.wte.weight[:, 0] = -20.0
+        m.transformer.wte.weight[favourite, 0] = 20.0
+    return m.eval()
+
+
+def test_evaluation_scores_every_model_by_one_rule(tiny):  # noqa: F811
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    great = tok.encode(" great")
+    assert len(great) == 1
+    rambler = constant_gpt(tok.vocab_size, great[0])  # " great great ...": +2 a word, no EOS
+    quitter = constant_gpt(tok.vocab_size, tok.eos)  # EOS at once: an empty, finished response
+    prompts = ["it felt good .", "the movie is great . i loved the plot ."]
+    N = 64 - len(data.encode_prompt(tok, prompts[1]))  # every completion's budget: the block's rest
+    d = init_distributed()
+    res = evaluate_policy(rambler, quitter, tok, prompts, d, k=2, missing_eos_score=-3.0)
+    # the policy never ends: every completion scores missing_eos_score (its words would pay 2N)
+    assert (res["true_reward"], res["true_reward_std"], res["eos_rate"]) == (-3.0, 0.0, 0.0)
+    assert res["response_len"] == N and res["true_reward_finished"] is None
+    # π_ref ends at once: reward 0, finished, one token (the EOS)
+    assert (res["ref_true_reward"], res["ref_eos_rate"], res["ref_response_len"]) == (0.0, 1.0, 1.0)
+    assert res["ref_true_reward_finished"] == 0.0 and res["win_rate"] == 0.0  # -3 < 0, every time
+    # KL: every token is " great", N of them, log π(great) - log π_ref(great) each
+    logits = lambda m: m.transformer.wte.weight[:, 0].detach()  # noqa: E731  (the constant logits)
+    per_token = (F.log_softmax(logits(rambler), 0) - F.log_softmax(logits(quitter), 0))[great[0]]
+    assert res["kl"] == pytest.approx(N * per_token.item(), rel=1e-12) and per_token > 30
+    assert res["n_completions"] == 4 and res["samples"][0]["policy"] == " great" * N
+    # the same model on both sides: every comparison a tie (-3 against -3), and a tie counts half
+    res = evaluate_policy(rambler, copy.deepcopy(rambler), tok, prompts, d, k=2)
+    assert res["win_rate"] == 0.5 and res["kl"] == 0.0
+    assert res["true_reward"] == res["ref_true_reward"] == evaluate.MISSING_EOS_SCORE
+    assert evaluate.MISSING_EOS_SCORE == ppo.Config.missing_eos_score  # DPO's eval = PPO's rule
+    assert evaluate.summary(res).startswith("true reward -1.000")
+
+
+def test_evaluation_on_user_prompts_omits_the_hidden_reward(tiny):  # noqa: F811
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    assert evaluate.task_prompts(["it felt good .", "the movie is great . i loved the plot ."])
+    for user in (["Human: hi there. Assistant:"], ["it felt good"], ["it felt amazing ."]):
+        assert not evaluate.task_prompts(user + ["it felt good ."])
+    quitter = constant_gpt(tok.vocab_size, tok.eos)
+    user = ["Human: hi there. Assistant:"]
+    res = evaluate_policy(quitter, quitter, tok, user, init_distributed(), k=2)
+    hidden = {"true_reward", "true_reward_std", "ref_true_reward", "ref_true_reward_std",
+              "win_rate", "true_reward_finished", "ref_true_reward_finished"}
+    assert not hidden & res.keys() and "built-in task" in res["true_reward_omitted"]
+    assert (res["kl"], res["eos_rate"], res["response_len"], res["ref_eos_rate"]) == (0, 1, 1, 1)
+    assert not any("reward" in k for s in res["samples"] for k in s)
+    lines = []  # what a stage prints about it
+    evaluate.print_samples(res, lines.append)
+    lines.append(evaluate.summary(res))
+    assert "no true reward: the prompts are not the built-in task's" in lines[-1]
+
+
+def all_completions(n, V, eos):
+    """Every response generate can return with a budget of n tokens over a vocab of V: each ends
+    at its first EOS or after n tokens."""
+    done, grow = [], [[]]
+    while grow:
+        y = grow.pop()
+        if (y and y[-1] == eos) or len(y) == n:
+            done.append(y)
+        else:
+            grow += [y + [v] for v in range(V)]
+    return done
+
+
+def test_evaluation_kl_against_exact_enumeration():
+    V, eos, pad, prompt = 4, 0, 3, [0, 1, 2]  # BOS = EOS = 0, as data.encode_prompt
+    policy, ref = (tiny_gpt(seed=s, vocab_size=V, block_size=6) for s in (3, 4))
+    with torch.no_grad():  # larger logits: two clearly different distributions (KL 1.39 nats)
+        for m in (policy, ref):
+            m.transformer.wte.weight.mul_(8)
+    ys = all_completions(6 - len(prompt), V, eos)
+    assert len(ys) == 1 + 3 + 9 + 27
+    L = len(prompt) + max(map(len, ys))
+    out = {"tokens": torch.tensor([prompt + y + [pad] * (L - len(prompt) - len(y)) for y in ys]),
+           "mask": torch.tensor([[c < len(prompt) + len(y) for c in range(L)] for y in ys])}
+    out["response_mask"] = out["mask"].clone()
+    out["response_mask"][:, :len(prompt)] = False
+    lp, lq = evaluate.completion_logps(policy, out), evaluate.completion_logps(ref, out)
+    for m, got in ((policy, lp), (ref, lq)):  # the obvious way: each prefix alone, token by token
+        want = [sum(F.log_softmax(m(torch.tensor([prompt + y[:t]]))[0, -1], -1)[y[t]].item()
+                    for t in range(len(y))) for y in ys]
+        torch.testing.assert_close(got, torch.tensor(want, dtype=got.dtype), atol=1e-10, rtol=0)
+    assert lp.exp().sum().item() == pytest.approx(1.0, abs=1e-12)  # a distribution over completions
+    exact = (lp.exp() * (lp - lq)).sum().item()
+    sd = (lp.exp() * (lp - lq - exact) ** 2).sum().item() ** 0.5
+    # the evaluation's estimate, a mean over n sampled completions, lies within 5 standard errors
+    # of the exact KL (a seeded draw: probability of failing < 1e-6); the exact KL is far above 5
+    # standard errors, so a flipped sign, or another function's log-probs, would show
+    n = 4000
+    fake = SimpleNamespace(eos=eos, pad=pad, encode=lambda s: [int(w) for w in s.split()],
+                           decode=lambda ids: " ".join(map(str, ids)))
+    res = evaluate_policy(policy, ref, fake, ["1 2"], init_distributed(), k=n, batch_size=n)
+    assert exact > 20 * sd / n ** 0.5 and abs(res["kl"] - exact) <= 5 * sd / n ** 0.5
 
 
 @pytest.mark.parametrize("bias", [True, False])
