@@ -6,12 +6,14 @@ script, `torchrun --nproc_per_node=2` on the CPU included.
     pytest test_all.py -k dpo     # one area
 """
 import csv
+import hashlib
 import itertools
 import json
 import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -474,6 +476,132 @@ def test_text_logprob_sums_to_one():
     short = sentences(["it felt {adj} .", "we saw it on {day} ."])
     total = sum(math.exp(data.text_logprob(" ".join(s))) for s in itertools.product(short, repeat=3))
     assert math.isclose(total, 0.65 * 0.35 * (2 / 5) ** 3, rel_tol=1e-9)
+
+# ---- regimes of the task (issue 9)
+
+# sha256 of the default task's data files for seed 0, made by main at a1dd8eb, before regimes existed:
+# the regimes must leave the default data, and every result computed from it, as they were. (Python's
+# random streams are stable across versions; tokenizer.json and task.json depend on the tokenizers
+# version, so they are checked by other means.)
+DEFAULT_SHA256 = {
+    "pairs_train.jsonl": "98bf2c985e658a73365772141f201fabae2fdc6c1c4e665b893414f3472cc7fa",
+    "pairs_val.jsonl": "ad740172d5e26f57e88b493cbecce69e0a39b1618930a94771bb82ac0862ff14",
+    "prompts_eval.jsonl": "3d3b56ee4c8e6c6560ed0f3d4425337e9a2d7b531c207cc7add64ae769c60641",
+    "prompts_train.jsonl": "4ce7a29d8d29c6a829032feb91eb650beec236e1f23edb2a8c13a5a9f3077ba1",
+    "sft_train.txt": "b81da323ef97ac7f64d2d30486fa10ac2f82a4cda87027232475488a964bca10",
+    "sft_val.txt": "95e48e9d728eb8c3d6c06f892072a22c4d0d494d1fec2da08cc9efb28f716df3",
+}
+
+
+@pytest.fixture(scope="module")
+def regimes(task, tmp_path_factory):
+    """{regime: folder} for seed 0; the default is the module's `task`."""
+    root = tmp_path_factory.mktemp("regimes")
+    out = {"default": task}
+    for regime in ("capped", "shifted"):
+        out[regime] = data.ensure_task(str(root / regime), seed=0, regime=regime, log=lambda *a: None)
+    return out
+
+
+def task_meta(folder):
+    with open(os.path.join(folder, "task.json")) as f:
+        return json.load(f)
+
+
+def responses(folder, split="pairs_train"):
+    return [(r["prompt"], r[k]) for r in data.read_pairs(os.path.join(folder, f"{split}.jsonl"))
+            for k in ("chosen", "rejected")]
+
+
+def test_default_regime_is_the_task_as_it_was(regimes):
+    for name, want in DEFAULT_SHA256.items():
+        with open(os.path.join(regimes["default"], name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == want, name
+    meta = task_meta(regimes["default"])
+    assert (meta["regime"], meta["p_values"], meta["cap"]) == ("default", list(data.P_VALUES), None)
+    assert meta["pool_best"] == data.pool_best(data.read_pairs(f"{regimes['default']}/pairs_train.jsonl"))
+
+
+def test_capped_pool_holds_nothing_above_the_cap(regimes):
+    cap, default, capped = data.CAP, regimes["default"], regimes["capped"]
+    meta = task_meta(capped)
+    assert (meta["regime"], meta["cap"], meta["pool_best"]) == ("capped", cap, cap)
+    # the stated cap is the median true reward of the generator's responses (the default pool's)
+    assert statistics.median(data.true_reward(p, y) for p, y in responses(default)) == cap
+    for split in ("pairs_train", "pairs_val"):
+        got = responses(capped, split)
+        assert max(data.true_reward(p, y) for p, y in got) <= cap  # the pool never shows more
+        assert all(text_ok(p + y) for p, y in got)  # the generator's responses, only fewer of them
+        # the same prompts in the same order, and a pair that was under the cap anyway is unchanged:
+        # only the responses above the cap were redrawn
+        old = data.read_pairs(os.path.join(default, f"{split}.jsonl"))
+        new = data.read_pairs(os.path.join(capped, f"{split}.jsonl"))
+        assert [r["prompt"] for r in old] == [r["prompt"] for r in new]
+        under = [o == n for o, n in zip(old, new)
+                 if max(data.true_reward(o["prompt"], o[k]) for k in ("chosen", "rejected")) <= cap]
+        assert len(under) > len(old) / 4 and all(under)
+    # everything else is the default's, byte for byte: the same π_ref serves both regimes
+    for name in TASK_FILES:
+        if not name.startswith(("pairs", "task")):
+            with open(os.path.join(default, name), "rb") as f, open(os.path.join(capped, name), "rb") as g:
+                assert f.read() == g.read(), name
+
+
+def test_shifted_generator_puts_pi_refs_mode_below_the_default(regimes):
+    meta = task_meta(regimes["shifted"])
+    assert (meta["regime"], meta["p_values"]) == ("shifted", list(data.SHIFTED_P_VALUES))
+    # π_ref imitates the generator's texts (sft.py gets within ~0.03 nats of its floor), so their
+    # mean true reward is π_ref's. Closed form: a sentence's expected reward given the latent p is
+    # (2p - 1) times the mean weight of its slots' words, 1.25 per adjective and 1.5 per verb, over
+    # the templates' 4 adjectives and 1 verb in 5; times the expected number of sentences.
+    e_n = sum(n * (data.P_STOP if 2 <= n < data.MAX_SENTENCES else 1) * (1 - data.P_STOP) ** (n - 2)
+              for n in range(2, data.MAX_SENTENCES + 1))
+    mean = {}
+    for regime in ("default", "shifted"):
+        pv = data.SHIFTED_P_VALUES if regime == "shifted" else data.P_VALUES
+        want = (2 * sum(pv) / len(pv) - 1) * (4 * 1.25 + 1.5) / 5 * e_n
+        r = [data.true_reward("", t) for t in data.read_texts(f"{regimes[regime]}/sft_val.txt")]
+        mean[regime] = statistics.mean(r)
+        # 4 standard errors of the mean of 1000 texts: fails by chance with probability < 1e-4
+        assert abs(mean[regime] - want) <= 4 * statistics.stdev(r) / math.sqrt(len(r)), regime
+    assert mean["shifted"] < mean["default"] - 2
+    # the pairs come from that same generator: their responses are as negative as π_ref's
+    pool = {k: statistics.mean(data.true_reward(p, y) for p, y in responses(regimes[k]))
+            for k in ("default", "shifted")}
+    assert pool["shifted"] < pool["default"] - 1
+    # the floor in task.json is the shifted generator's entropy: its texts are in the language and
+    # their exact probability is computed with the shifted p values
+    texts = data.read_texts(f"{regimes['shifted']}/sft_val.txt")
+    assert all(math.isfinite(data.text_logprob(t, data.SHIFTED_P_VALUES)) for t in texts)
+    tok = data.load_tokenizer(f"{regimes['shifted']}/tokenizer.json")
+    n_tok = sum(len(tok.encode(t)) + 1 for t in texts)
+    floor = -sum(data.text_logprob(t, data.SHIFTED_P_VALUES) for t in texts) / n_tok
+    assert meta["floor_nats_per_token"] == pytest.approx(floor, rel=1e-12)
+
+
+def test_regimes_deterministic_and_a_bad_regime_is_a_clear_error(regimes, tmp_path):
+    again = str(tmp_path / "again")
+    data.build_task(again, seed=0, regime="capped")
+    for name in TASK_FILES:
+        with open(os.path.join(regimes["capped"], name), "rb") as f, open(os.path.join(again, name), "rb") as g:
+            assert f.read() == g.read(), name
+    with pytest.raises(ValueError, match="holds the task for seed 0 and regime capped, not seed 0 and regime shifted"):
+        data.ensure_task(again, seed=0, regime="shifted")
+    says = "error: --regime 'nope' is not a regime of the task: choose one of default, capped, shifted"
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        data.ensure_task(str(tmp_path / "nope"), regime="nope")
+    assert not os.path.exists(tmp_path / "nope")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "--regime", "nope", "--out_dir",
+                        str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip() == says and not os.path.exists(tmp_path / "nope")
+
+
+def test_pool_best_and_the_fraction_beyond_it():
+    rows = [{"prompt": "it felt great .", "chosen": " i loved the plot . it felt fine .", "rejected": " it felt bad ."},
+            {"prompt": "x", "chosen": " it felt good .", "rejected": " it felt awful ."}]
+    assert data.pool_best(rows) == 2.5  # loved + fine; the prompt's "great" does not count
+    assert data.fraction_beyond([2.5, 3.0, -1.0, 4.0], 2.5) == 0.5  # strictly beyond: 3 and 4
+
 
 GOOD = '{"prompt": "the plot is", "chosen": " good .", "rejected": " bad ."}'
 
