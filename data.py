@@ -187,6 +187,11 @@ def text_logprob(text, p_values=P_VALUES):
 # Regimes of the task (issue 9): one language and one hidden reward, three ways to draw the data.
 # The default pairs come from the generator π_ref imitates, so offline pairs are on-distribution and
 # show every behaviour; each other regime takes away one thing that online sampling may buy back.
+# A regime's task lives in its own folder (task_dir: out/task-capped, out/task-shifted) with the
+# same files, and the stages read it through their path flags, e.g. for capped, whose π_ref is the
+# default's: python reward.py --out_dir out/capped/reward --train_pairs
+# out/task-capped/pairs_train.jsonl --val_pairs out/task-capped/pairs_val.jsonl, and likewise
+# precompute.py, dpo.py and online_dpo.py; shifted needs its own sft.py run first.
 REGIMES = {
     "default": "pairs drawn from the generator pi_ref imitates: on-distribution, every behaviour",
     "capped": "the pair pool holds no response whose true reward exceeds the cap; the texts, the "

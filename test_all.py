@@ -32,6 +32,7 @@ import compare
 import costs
 import data
 import dpo
+import online_dpo
 import plumbing
 import ppo
 import precompute
@@ -479,10 +480,10 @@ def test_text_logprob_sums_to_one():
 
 # ---- regimes of the task (issue 9)
 
-# sha256 of the default task's data files for seed 0, made by main at a1dd8eb, before regimes existed:
-# the regimes must leave the default data, and every result computed from it, as they were. (Python's
-# random streams are stable across versions; tokenizer.json and task.json depend on the tokenizers
-# version, so they are checked by other means.)
+# sha256 of the default task's data files for seed 0, made by main at a1dd8eb, before regimes
+# existed: the regimes must leave the default data, and every result computed from it, as they
+# were. (Python's random streams are stable across versions; tokenizer.json and task.json depend on
+# the tokenizers version, so they are checked by other means.)
 DEFAULT_SHA256 = {
     "pairs_train.jsonl": "98bf2c985e658a73365772141f201fabae2fdc6c1c4e665b893414f3472cc7fa",
     "pairs_val.jsonl": "ad740172d5e26f57e88b493cbecce69e0a39b1618930a94771bb82ac0862ff14",
@@ -499,7 +500,8 @@ def regimes(task, tmp_path_factory):
     root = tmp_path_factory.mktemp("regimes")
     out = {"default": task}
     for regime in ("capped", "shifted"):
-        out[regime] = data.ensure_task(str(root / regime), seed=0, regime=regime, log=lambda *a: None)
+        out[regime] = data.ensure_task(str(root / regime), seed=0, regime=regime,
+                                       log=lambda *a: None)
     return out
 
 
@@ -519,7 +521,8 @@ def test_default_regime_is_the_task_as_it_was(regimes):
             assert hashlib.sha256(f.read()).hexdigest() == want, name
     meta = task_meta(regimes["default"])
     assert (meta["regime"], meta["p_values"], meta["cap"]) == ("default", list(data.P_VALUES), None)
-    assert meta["pool_best"] == data.pool_best(data.read_pairs(f"{regimes['default']}/pairs_train.jsonl"))
+    pool = data.read_pairs(f"{regimes['default']}/pairs_train.jsonl")
+    assert meta["pool_best"] == data.pool_best(pool)
 
 
 def test_capped_pool_holds_nothing_above_the_cap(regimes):
@@ -543,8 +546,8 @@ def test_capped_pool_holds_nothing_above_the_cap(regimes):
     # everything else is the default's, byte for byte: the same π_ref serves both regimes
     for name in TASK_FILES:
         if not name.startswith(("pairs", "task")):
-            with open(os.path.join(default, name), "rb") as f, open(os.path.join(capped, name), "rb") as g:
-                assert f.read() == g.read(), name
+            with open(os.path.join(default, name), "rb") as f:
+                assert f.read() == open(os.path.join(capped, name), "rb").read(), name
 
 
 def test_shifted_generator_puts_pi_refs_mode_below_the_default(regimes):
@@ -583,21 +586,24 @@ def test_regimes_deterministic_and_a_bad_regime_is_a_clear_error(regimes, tmp_pa
     again = str(tmp_path / "again")
     data.build_task(again, seed=0, regime="capped")
     for name in TASK_FILES:
-        with open(os.path.join(regimes["capped"], name), "rb") as f, open(os.path.join(again, name), "rb") as g:
-            assert f.read() == g.read(), name
-    with pytest.raises(ValueError, match="holds the task for seed 0 and regime capped, not seed 0 and regime shifted"):
+        with open(os.path.join(regimes["capped"], name), "rb") as f:
+            assert f.read() == open(os.path.join(again, name), "rb").read(), name
+    with pytest.raises(ValueError, match="regime capped, not seed 0 and regime shifted"):
         data.ensure_task(again, seed=0, regime="shifted")
-    says = "error: --regime 'nope' is not a regime of the task: choose one of default, capped, shifted"
+    says = ("error: --regime 'nope' is not a regime of the task: choose one of default, capped, "
+            "shifted")
     with pytest.raises(SystemExit, match=re.escape(says)):
         data.ensure_task(str(tmp_path / "nope"), regime="nope")
     assert not os.path.exists(tmp_path / "nope")
-    p = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "--regime", "nope", "--out_dir",
-                        str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "--regime", "nope",
+                        "--out_dir", str(tmp_path / "nope")], capture_output=True, text=True,
+                       timeout=120)
     assert p.returncode == 1 and p.stderr.strip() == says and not os.path.exists(tmp_path / "nope")
 
 
 def test_pool_best_and_the_fraction_beyond_it():
-    rows = [{"prompt": "it felt great .", "chosen": " i loved the plot . it felt fine .", "rejected": " it felt bad ."},
+    rows = [{"prompt": "it felt great .", "chosen": " i loved the plot . it felt fine .",
+             "rejected": " it felt bad ."},
             {"prompt": "x", "chosen": " it felt good .", "rejected": " it felt awful ."}]
     assert data.pool_best(rows) == 2.5  # loved + fine; the prompt's "great" does not count
     assert data.fraction_beyond([2.5, 3.0, -1.0, 4.0], 2.5) == 0.5  # strictly beyond: 3 and 4
@@ -1106,11 +1112,18 @@ def loop_headers(path):
 
 def test_loops_share_one_skeleton():
     d, p = loop_headers(dpo.__file__), loop_headers(ppo.__file__)
-    rest = iter(p)  # DPO's headers are PPO's in the same order, some deleted: `x in rest` consumes
-    assert len(d) >= 12 and all(h in rest for h in d), (d, p)
+    o = loop_headers(online_dpo.__file__)
+    # DPO ⊂ online DPO ⊂ PPO: the smaller file's headers are the bigger one's in the same order,
+    # some deleted (`x in rest` consumes)
+    for small, big in ((d, p), (d, o), (o, p)):
+        rest = iter(big)
+        assert len(small) >= 12 and all(h in rest for h in small), (small, big)
     core = ["# -- batch", "# -- reference log-probs", "# -- policy forward", "# -- loss", "# -- update"]
-    for heads in (d, p):  # the shared core, in this order, in both
+    for heads in (d, p, o):  # the shared core, in this order, in all three
         assert [h for h in heads if h in core] == core
+    # online_dpo.py's docstring names, by name, what returns from PPO and what stays deleted
+    for h in [h for h in o if h not in d] + [h for h in p if h not in o]:
+        assert h.split(" ", 2)[2] in " ".join(online_dpo.__doc__.split()), h
     deleted = [h for h in p if h not in d]
     assert deleted, "PPO has phases DPO deletes"
     for h in deleted:  # dpo.py's docstring lists, by name, what it deletes
@@ -1405,6 +1418,125 @@ def test_ppo_stops_on_non_finite(tiny, tiny_rm, tmp_path):
     with pytest.raises(SystemExit, match=r"non-finite grad_norm \(nan\) at iteration 1 .* the last good checkpoint is kept: none"):
         ppo.main(cfg)
     assert not os.path.exists(tmp_path / "ppo" / "model.safetensors")
+
+
+# ====================================================================================================
+# online_dpo.py
+# ====================================================================================================
+
+def test_label_pairs_higher_score_chosen_a_tie_says_nothing():
+    a = torch.tensor([1.0, -1.0, 0.5, -1.0, 2.0])
+    b = torch.tensor([0.0, 3.0, 0.5, -1.0, 2.0 + 1e-6])
+    a_chosen, tied = online_dpo.label_pairs(a, b)
+    assert a_chosen.tolist() == [True, False, False, False, False]
+    assert tied.tolist() == [False, False, True, True, False]  # equal scores only, however close
+
+
+def fake_generate(table):
+    """A stand-in for model.generate that "samples" fixed completions: table maps a prompt's token
+    ids (a tuple) to its two completions' ids; the loop asks for rows [chunk; chunk] and gets the
+    first completions, then the second. generate's layout: left-padded prompt, response, pad."""
+    def gen(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, generator=None):
+        n = len(prompts) // 2
+        ys = [table[tuple(p)][r >= n] for r, p in enumerate(prompts)]
+        P, N = max(map(len, prompts)), max(map(len, ys))
+        tokens = torch.full((len(prompts), P + N), pad_id)
+        mask, resp = (torch.zeros(len(prompts), P + N, dtype=torch.bool) for _ in range(2))
+        for r, (p, y) in enumerate(zip(prompts, ys)):
+            tokens[r, P - len(p):P + len(y)] = torch.tensor(p + y)
+            mask[r, P - len(p):P + len(y)], resp[r, P:P + len(y)] = True, True
+        return dict(tokens=tokens, mask=mask, response_mask=resp,
+                    logprobs=torch.zeros(tokens.shape))
+    return gen
+
+
+def test_online_round_equals_dpo_step_on_the_same_pairs(tiny, monkeypatch):  # noqa: F811
+    # Online DPO whose rollout engine "samples" fixed completions, labelled by the true reward, is
+    # dpo.py (live reference) on the pairs so labelled, minus the ties, round for step. 16 prompts:
+    # 12 whose two completions differ in true reward, 3 whose completions tie (distinct texts), and
+    # 1 whose completions differ but both lack EOS: the missing-EOS score makes it a tie too.
+    root = tiny.root / "online-vs-dpo"
+    os.makedirs(root)
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    ordered, tied, seen = [], [], set()
+    for r in data.read_pairs(f"{tiny.task}/pairs_train.jsonl"):
+        rc, rr = (data.true_reward(r["prompt"], r[k]) for k in ("chosen", "rejected"))
+        if r["prompt"] not in seen and rc > rr and len(ordered) < 13:
+            ordered.append(r)
+        elif r["prompt"] not in seen and rc == rr and len(tied) < 3:
+            tied.append(r)
+        seen.add(r["prompt"])
+    unfinished = ordered.pop()
+    rows = ordered[:6] + tied[:2] + [unfinished] + ordered[6:] + tied[2:]
+    def write(path, rs):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rs))
+
+    write(root / "pairs.jsonl", ordered)  # dpo.py: the pairs that carry a preference
+    write(root / "prompts.jsonl", [{"prompt": r["prompt"]} for r in rows])
+    write(root / "eval.jsonl", [{"prompt": r["prompt"]} for r in rows[:2]])
+    table = {tuple(data.encode_prompt(tok, r["prompt"])):
+             tuple(data.encode_response(tok, r[k]) for k in ("chosen", "rejected")) for r in rows}
+    table[tuple(data.encode_prompt(tok, unfinished["prompt"]))] = tuple(  # cut before their EOS
+        data.encode_response(tok, unfinished[k])[:-1] for k in ("chosen", "rejected"))
+    monkeypatch.setattr(online_dpo, "generate", fake_generate(table))
+    same = dict(lr=1e-3, warmup=1, beta=0.5)  # and dpo.py's defaults for the rest, both sides
+    online_dpo.main(online_dpo.Config(
+        out_dir=str(root / "online"), sft=f"{tiny.sft}/model.safetensors",
+        prompts=str(root / "prompts.jsonl"), eval_prompts=str(root / "eval.jsonl"), reward="true",
+        iterations=3, stop_after=2, rollout_batch=16, rollout_chunk=8, micro_batch_size=8, **same))
+    dpo.main(dpo.Config(out_dir=str(root / "dpo"), ref_model=f"{tiny.sft}/model.safetensors",
+                        train_pairs=str(root / "pairs.jsonl"), val_pairs=str(root / "pairs.jsonl"),
+                        eval_prompts=str(root / "eval.jsonl"), ref="live", steps=3, stop_after=2,
+                        batch_size=12, micro_batch_size=12, eval_every=1000, **same))
+    a, b = dpo_metrics(root / "online"), dpo_metrics(root / "dpo")
+    assert [x["step"] for x in a] == [y["step"] for y in b] == [1, 2]
+    assert [x["ties"] for x in a] == [0.25, 0.25] and [x["eos_rate"] for x in a] == [30 / 32] * 2
+    # The same pairs, another batch order and micro-batching (16 rows in 2 forwards, 4 weighted 0,
+    # against 12 in 1): only the order of fp32 sums differs, as between DPO's equivalent runs
+    # (DPO_TOL). Round 1's loss and gradient pin the labels, the reference and the normalisation;
+    # round 2's loss pins the update.
+    for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+              "logps/chosen", "logps/rejected", "grad_norm", "lr"):
+        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)), k
+    assert a[0]["kl"] == 0.0 and a[1]["kl"] != 0.0  # π = π_ref exactly in round 1, not after
+
+
+def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted(
+        tiny, tiny_rm):  # noqa: F811
+    root = tiny.root / "online-test"
+    os.makedirs(root)
+    evals = open(f"{tiny.task}/prompts_eval.jsonl").readlines()[:4]
+    (root / "eval.jsonl").write_text("".join(evals))
+    cfg = dict(sft=f"{tiny.sft}/model.safetensors", reward_model=str(tiny_rm / "model.safetensors"),
+               prompts=f"{tiny.task}/prompts_train.jsonl", eval_prompts=str(root / "eval.jsonl"),
+               iterations=2, rollout_batch=8, rollout_chunk=4, micro_batch_size=2, eval_k=1,
+               lr=1e-3, warmup=1)
+    # 1 rank x 2 chunks, 4 micro-steps
+    online_dpo.main(online_dpo.Config(out_dir=str(root / "one"), **cfg))
+    # 2 ranks x 1 chunk, 2 micro-steps; also the smoke run of the whole script
+    flags = [f"--{k}={v}" for k, v in {**cfg, "out_dir": root / "two"}.items()]
+    p = run_torchrun("online_dpo.py", flags)
+    assert "true reward" in p.stdout and "back from PPO" in p.stdout
+    a, b = dpo_metrics(root / "one"), dpo_metrics(root / "two")
+    assert [x["step"] for x in a] == [y["step"] for y in b] == [1, 2]
+    # The same samples (a chunk's seed is its place in the global batch) and r_φ scores per chunk:
+    # the same labels; then only the order of fp32 sums differs (DPO_TOL, as dpo.py's 2-vs-1 test)
+    for k in ("ties", "eos_rate", "response_len", "true_reward"):
+        assert [x[k] for x in a] == [y[k] for y in b], k
+    for k in ("loss", "rewards/margins", "score", "kl", "logps/chosen", "grad_norm"):
+        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)), k
+    assert all(0 < x["ties"] < 1 for x in a)  # neither vacuous nor all ties: the labels matter
+    # stopped after a round, then resumed (the rollout engine gets the restored policy): the same
+    # operations in the same order, bit for bit
+    online_dpo.main(online_dpo.Config(out_dir=str(root / "split"), stop_after=1, **cfg))
+    assert not os.path.exists(root / "split" / "model.safetensors")
+    online_dpo.main(online_dpo.Config(out_dir=str(root / "split"), **cfg))
+    w1, w2 = dpo_weights(root / "one"), dpo_weights(root / "split")
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    def strip(rows):  # all but the wall-clock numbers
+        return [{k: v for k, v in r.items()
+                 if not k.startswith(("time/", "share/", "tokens_per", "mfu"))} for r in rows]
+    assert strip(a) == strip(dpo_metrics(root / "split"))
 
 
 # ====================================================================================================
