@@ -1474,8 +1474,10 @@ def test_online_round_equals_dpo_step_on_the_same_pairs(tiny, monkeypatch):  # n
     write(root / "pairs.jsonl", ordered)  # dpo.py: the pairs that carry a preference
     write(root / "prompts.jsonl", [{"prompt": r["prompt"]} for r in rows])
     write(root / "eval.jsonl", [{"prompt": r["prompt"]} for r in rows[:2]])
+    # the chosen completion comes first for half of the prompts and second for the other half
     table = {tuple(data.encode_prompt(tok, r["prompt"])):
-             tuple(data.encode_response(tok, r[k]) for k in ("chosen", "rejected")) for r in rows}
+             tuple(data.encode_response(tok, r[k]) for k in ("chosen", "rejected")[::(-1) ** j])
+             for j, r in enumerate(rows)}
     table[tuple(data.encode_prompt(tok, unfinished["prompt"]))] = tuple(  # cut before their EOS
         data.encode_response(tok, unfinished[k])[:-1] for k in ("chosen", "rejected"))
     monkeypatch.setattr(online_dpo, "generate", fake_generate(table))
