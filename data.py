@@ -3,9 +3,12 @@ Everything the stages read: the tokenizer, the built-in task (a toy copy of the 
 controlled-sentiment experiment, with its hidden true reward), preference JSONL, tokenization with
 an exact prompt/response boundary, batches of [chosen; rejected], and deterministic rank sharding.
 
-    python data.py            # build out/task if it is missing, then show a few of its pairs
+    python data.py                   # build out/task if it is missing, then show a few pairs
+    python data.py --regime capped   # a regime of the task: default, capped or shifted; here
+                                     # out/task-capped (--out_dir to choose)
+    python data.py --help            # --seed, --out_dir
     python data.py own my_pairs.jsonl --out out/own   # your own preference file: a tokenizer,
-                              # SFT text and the block that fits it (python data.py own --help)
+                                     # SFT text and the block that fits it (data.py own --help)
 """
 import json
 import math
@@ -112,24 +115,34 @@ def _sentences(rng, p, k):
         if k >= 2 and (k == MAX_SENTENCES or rng.random() < P_STOP):
             return out
 
-def sample_text(rng):
-    return " ".join(_sentences(rng, rng.choice(P_VALUES), 0))
+def sample_text(rng, p_values=P_VALUES):
+    return " ".join(_sentences(rng, rng.choice(p_values), 0))
 
-def sample_prompt(rng):
+def sample_prompt(rng, p_values=P_VALUES):
     """An opening of a text: its first one or two sentences. Returns (latent p, sentences,
     prompt)."""
-    p, k = rng.choice(P_VALUES), rng.choice((1, 2))
+    p, k = rng.choice(p_values), rng.choice((1, 2))
     return p, k, " ".join(_sentence(rng, p) for _ in range(k))
 
-def sample_pair(rng):
+def sample_pair(rng, p_values=P_VALUES, cap=None, redraw=None):
     """Two continuations of one prompt by the same generator (same latent p), labelled by
-    Bradley-Terry on the hidden reward: chosen is the first with probability sigmoid(r1 - r2)."""
-    p, k, prompt = sample_prompt(rng)
+    Bradley-Terry on the hidden reward: chosen is the first with probability sigmoid(r1 - r2).
+    With a cap (the capped regime), a response whose reward exceeds it is redrawn from the `redraw`
+    stream until it does not: rejection sampling, so each response is the generator's, conditioned
+    on reward <= cap (and the two distinct). The prompt and the label's uniform come from `rng`
+    first, so a pair that was under the cap anyway is the uncapped pair, byte for byte."""
+    p, k, prompt = sample_prompt(rng, p_values)
     a = b = ""
     while a == b:
         # responses start with the space
         a, b = (" " + " ".join(_sentences(rng, p, k)) for _ in range(2))
-    if rng.random() >= 1 / (1 + math.exp(true_reward(prompt, b) - true_reward(prompt, a))):
+    u = rng.random()
+    if cap is not None:
+        while true_reward(prompt, a) > cap:
+            a = " " + " ".join(_sentences(redraw, p, k))
+        while true_reward(prompt, b) > cap or b == a:
+            b = " " + " ".join(_sentences(redraw, p, k))
+    if u >= 1 / (1 + math.exp(true_reward(prompt, b) - true_reward(prompt, a))):
         a, b = b, a
     return dict(prompt=prompt, chosen=a, rejected=b)
 
@@ -146,8 +159,8 @@ def _fits(word, slot):
         return word in SENTIMENT[slot][0] or word in SENTIMENT[slot][1]
     return word == slot
 
-def text_logprob(text):
-    """Exact log P(text) under the generator, marginal over the latent p:
+def text_logprob(text, p_values=P_VALUES):
+    """Exact log P(text) under the generator, marginal over the latent p (uniform over p_values):
     log sum_p P(p) * prod_slots P(word | p) * P(templates) * P(length); -inf off the language."""
     words, sentences = text.split(" "), []
     while words and "." in words:
@@ -172,28 +185,71 @@ def text_logprob(text):
                 pos, neg = SENTIMENT[slot]
                 n_pos, n_neg = n_pos + (w in pos), n_neg + (w in neg)
                 logq -= math.log(len(pos) if w in pos else len(neg))
-    lp = [n_pos * math.log(p) + n_neg * math.log(1 - p) for p in P_VALUES]
+    lp = [n_pos * math.log(p) + n_neg * math.log(1 - p) for p in p_values]
     m = max(lp)
-    return logq + m + math.log(sum(math.exp(x - m) for x in lp) / len(P_VALUES))
+    return logq + m + math.log(sum(math.exp(x - m) for x in lp) / len(p_values))
 
-def build_task(out_dir="out/task", seed=0):
+# Regimes of the task (issue 9): one language and one hidden reward, three ways to draw the data.
+# The default pairs come from the generator π_ref imitates, so offline pairs are on-distribution and
+# show every behaviour; each other regime takes away one thing that online sampling may buy back.
+# A regime's task lives in its own folder (task_dir: out/task-capped, out/task-shifted) with the
+# same files, and the stages read it through their path flags, e.g. for capped, whose π_ref is the
+# default's: python reward.py --out_dir out/capped/reward --train_pairs
+# out/task-capped/pairs_train.jsonl --val_pairs out/task-capped/pairs_val.jsonl, and likewise
+# precompute.py, dpo.py and online_dpo.py; shifted needs its own sft.py run first.
+REGIMES = {
+    "default": "pairs drawn from the generator pi_ref imitates: on-distribution, every behaviour",
+    "capped": "the pair pool holds no response whose true reward exceeds the cap; the texts, the "
+              "prompts and so pi_ref are the default's",
+    "shifted": "the generator's latent sentiment is mostly negative (p in SHIFTED_P_VALUES): "
+               "pi_ref's mode sits away from high reward, the pairs drawn from that same generator",
+}
+# The median true reward of the generator's responses: 0, since the reward's distribution is
+# symmetric about 0 (P_VALUES and the word weights are) and has an atom there (neutral responses).
+CAP = 0.0
+SHIFTED_P_VALUES = (0.1, 0.2, 0.3)  # uniform: 4 sentiment words in 5 are negative, not 1 in 2
+
+def task_dir(regime):
+    """Where a regime's task lives by default: out/task, out/task-capped, out/task-shifted."""
+    return "out/task" if regime == "default" else f"out/task-{regime}"
+
+def check_regime(regime):
+    if regime not in REGIMES:
+        raise SystemExit(f"error: --regime {regime!r} is not a regime of the task: choose one of "
+                         f"{', '.join(REGIMES)}")
+
+def pool_best(rows):
+    """The best behaviour a pair pool shows: the highest true reward of any of its responses (rows
+    {"prompt","chosen","rejected"}). One number for the pool, not one per prompt: the hidden reward
+    ignores the prompt, and held-out prompts are not in the pool."""
+    return max(true_reward(r["prompt"], r[k]) for r in rows for k in ("chosen", "rejected"))
+
+def fraction_beyond(rewards, best):
+    """The share of completions (their true rewards) beyond the pool's best: behaviour the pairs
+    never showed, which only exploration, or extrapolation, can reach."""
+    return sum(r > best for r in rewards) / len(rewards)
+
+def build_task(out_dir="out/task", seed=0, regime="default"):
     """Generate the task into a temporary folder beside out_dir, then rename it into place."""
+    check_regime(regime)
     out_dir = out_dir.rstrip("/")
     tmp = f"{out_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     # a stream per file: resizing one changes no other
-    rng = lambda name: random.Random(f"{seed}/{name}")
+    rng = lambda name: random.Random(f"{seed}/{name}")  # noqa: E731
+    pv = SHIFTED_P_VALUES if regime == "shifted" else P_VALUES
+    cap = CAP if regime == "capped" else None
     data = {}
     for name in ("sft_train", "sft_val"):
         r = rng(name)
-        data[name] = [sample_text(r) for _ in range(SIZES[name])]
+        data[name] = [sample_text(r, pv) for _ in range(SIZES[name])]
     for name in ("pairs_train", "pairs_val"):
-        r = rng(name)
-        data[name] = [sample_pair(r) for _ in range(SIZES[name])]
+        r, redraw = rng(name), rng(f"{name}/capped")
+        data[name] = [sample_pair(r, pv, cap, redraw) for _ in range(SIZES[name])]
     for name in ("prompts_train", "prompts_eval"):
         r = rng(name)
-        data[name] = [dict(prompt=sample_prompt(r)[2]) for _ in range(SIZES[name])]
+        data[name] = [dict(prompt=sample_prompt(r, pv)[2]) for _ in range(SIZES[name])]
     for name, rows in data.items():
         lines = rows if name.startswith("sft") else [json.dumps(row) for row in rows]
         ext = "txt" if name.startswith("sft") else "jsonl"
@@ -204,9 +260,9 @@ def build_task(out_dir="out/task", seed=0):
     # generator's log P(text) is the model's best sum of token log-probs; predicted tokens are the
     # text's and the EOS.
     n_tok = [len(tok.encode(t)) + 1 for t in data["sft_val"]]
-    floor = -sum(text_logprob(t) for t in data["sft_val"]) / sum(n_tok)
-    longest = lambda strings: max(len(e.ids) for e in
-                                  tok.tk.encode_batch(strings, add_special_tokens=False))
+    floor = -sum(text_logprob(t, pv) for t in data["sft_val"]) / sum(n_tok)
+    longest = lambda strings: max(  # noqa: E731
+        len(e.ids) for e in tok.tk.encode_batch(strings, add_special_tokens=False))
     pairs = data["pairs_train"] + data["pairs_val"]
     meta = dict(seed=seed, counts={k: len(v) for k, v in data.items()}, vocab_size=tok.vocab_size,
                 floor_nats_per_token=floor,
@@ -214,7 +270,9 @@ def build_task(out_dir="out/task", seed=0):
                 max_tokens=dict(
                     sft_text=longest(data["sft_train"] + data["sft_val"]) + 2,
                     prompt=longest([r["prompt"] for r in pairs]) + 1,
-                    response=longest([r[k] for r in pairs for k in ("chosen", "rejected")]) + 1))
+                    response=longest([r[k] for r in pairs for k in ("chosen", "rejected")]) + 1),
+                regime=regime, regime_rule=REGIMES[regime], p_values=list(pv), cap=cap,
+                pool_best=pool_best(data["pairs_train"]))
     _atomic_write(os.path.join(tmp, "task.json"), json.dumps(meta, indent=2) + "\n")
     old = f"{tmp}.old"
     if os.path.exists(out_dir):
@@ -222,19 +280,24 @@ def build_task(out_dir="out/task", seed=0):
     os.rename(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
 
-def ensure_task(out_dir="out/task", seed=0, log=print):
-    """Build the task unless out_dir already holds it (for this seed). Returns out_dir."""
+def ensure_task(out_dir="out/task", seed=0, log=print, regime="default"):
+    """Build the task unless out_dir already holds it (for this seed and regime). Returns
+    out_dir."""
+    check_regime(regime)
     meta = os.path.join(out_dir, "task.json")
     if os.path.exists(meta):
         with open(meta) as f:
-            found = json.load(f)["seed"]
-        if found != seed:
-            raise ValueError(f"{out_dir} holds the task for seed {found}, not {seed}: remove it "
-                             f"or pick another folder")
+            found = json.load(f)
+        # a task built before regimes were: the default
+        found = (found["seed"], found.get("regime", "default"))
+        if found != (seed, regime):
+            raise ValueError(f"{out_dir} holds the task for seed {found[0]} and regime "
+                             f"{found[1]}, not seed {seed} and regime {regime}: remove it or "
+                             f"pick another folder")
         return out_dir
     t0 = time.time()
-    build_task(out_dir, seed)
-    log(f"built the task in {out_dir} (seed {seed}, {time.time() - t0:.1f} s)")
+    build_task(out_dir, seed, regime)
+    log(f"built the task in {out_dir} (seed {seed}, regime {regime}, {time.time() - t0:.1f} s)")
     return out_dir
 
 # -----------------------------------------------------------------------------
@@ -615,11 +678,17 @@ if __name__ == "__main__":
         a = ap.parse_args(sys.argv[2:])
         own_data(a.pairs, a.out, a.vocab_size, a.block_size)
         sys.exit()
-    d = ensure_task()
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--regime", default="default",
+                    help=f"one of {', '.join(REGIMES)} (default: default)")
+    ap.add_argument("--seed", type=int, default=0, help="the task's seed (default: 0)")
+    ap.add_argument("--out_dir", default="", help="default: out/task, or out/task-<regime>")
+    a = ap.parse_args()
+    d = ensure_task(a.out_dir or task_dir(a.regime), a.seed, regime=a.regime)
     with open(os.path.join(d, "task.json")) as f:
         print(f.read())
     for row in read_pairs(os.path.join(d, "pairs_train.jsonl"))[:4]:
-        rc = true_reward(row["prompt"], row["chosen"])
-        rr = true_reward(row["prompt"], row["rejected"])
+        rc, rr = (true_reward(row["prompt"], row[k]) for k in ("chosen", "rejected"))
         print(f"{row['prompt']!r}\n  chosen   {rc:+.1f} {row['chosen']!r}\n"
               f"  rejected {rr:+.1f} {row['rejected']!r}")

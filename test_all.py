@@ -19,11 +19,13 @@ if os.environ.get("TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import csv
+import hashlib
 import itertools
 import json
 import math
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -44,6 +46,7 @@ import data
 import dpo
 import evaluate
 import gpu
+import online_dpo
 import plumbing
 import ppo
 import precompute
@@ -668,6 +671,137 @@ def test_text_logprob_sums_to_one():
     short = sentences(["it felt {adj} .", "we saw it on {day} ."])
     total = sum(math.exp(data.text_logprob(" ".join(s))) for s in itertools.product(short, repeat=3))
     assert math.isclose(total, 0.65 * 0.35 * (2 / 5) ** 3, rel_tol=1e-9)
+
+# ---- regimes of the task (issue 9)
+
+# sha256 of the default task's data files for seed 0, made by main at a1dd8eb, before regimes
+# existed: the regimes must leave the default data, and every result computed from it, as they
+# were. (Python's random streams are stable across versions; tokenizer.json and task.json depend on
+# the tokenizers version, so they are checked by other means.)
+DEFAULT_SHA256 = {
+    "pairs_train.jsonl": "98bf2c985e658a73365772141f201fabae2fdc6c1c4e665b893414f3472cc7fa",
+    "pairs_val.jsonl": "ad740172d5e26f57e88b493cbecce69e0a39b1618930a94771bb82ac0862ff14",
+    "prompts_eval.jsonl": "3d3b56ee4c8e6c6560ed0f3d4425337e9a2d7b531c207cc7add64ae769c60641",
+    "prompts_train.jsonl": "4ce7a29d8d29c6a829032feb91eb650beec236e1f23edb2a8c13a5a9f3077ba1",
+    "sft_train.txt": "b81da323ef97ac7f64d2d30486fa10ac2f82a4cda87027232475488a964bca10",
+    "sft_val.txt": "95e48e9d728eb8c3d6c06f892072a22c4d0d494d1fec2da08cc9efb28f716df3",
+}
+
+
+@pytest.fixture(scope="module")
+def regimes(task, tmp_path_factory):
+    """{regime: folder} for seed 0; the default is the module's `task`."""
+    root = tmp_path_factory.mktemp("regimes")
+    out = {"default": task}
+    for regime in ("capped", "shifted"):
+        out[regime] = data.ensure_task(str(root / regime), seed=0, regime=regime,
+                                       log=lambda *a: None)
+    return out
+
+
+def task_meta(folder):
+    with open(os.path.join(folder, "task.json")) as f:
+        return json.load(f)
+
+
+def responses(folder, split="pairs_train"):
+    return [(r["prompt"], r[k]) for r in data.read_pairs(os.path.join(folder, f"{split}.jsonl"))
+            for k in ("chosen", "rejected")]
+
+
+def test_default_regime_is_the_task_as_it_was(regimes):
+    for name, want in DEFAULT_SHA256.items():
+        with open(os.path.join(regimes["default"], name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == want, name
+    meta = task_meta(regimes["default"])
+    assert (meta["regime"], meta["p_values"], meta["cap"]) == ("default", list(data.P_VALUES), None)
+    pool = data.read_pairs(f"{regimes['default']}/pairs_train.jsonl")
+    assert meta["pool_best"] == data.pool_best(pool)
+
+
+def test_capped_pool_holds_nothing_above_the_cap(regimes):
+    cap, default, capped = data.CAP, regimes["default"], regimes["capped"]
+    meta = task_meta(capped)
+    assert (meta["regime"], meta["cap"], meta["pool_best"]) == ("capped", cap, cap)
+    # the stated cap is the median true reward of the generator's responses (the default pool's)
+    assert statistics.median(data.true_reward(p, y) for p, y in responses(default)) == cap
+    for split in ("pairs_train", "pairs_val"):
+        got = responses(capped, split)
+        assert max(data.true_reward(p, y) for p, y in got) <= cap  # the pool never shows more
+        assert all(text_ok(p + y) for p, y in got)  # the generator's responses, only fewer of them
+        # the same prompts in the same order, and a pair that was under the cap anyway is unchanged:
+        # only the responses above the cap were redrawn
+        old = data.read_pairs(os.path.join(default, f"{split}.jsonl"))
+        new = data.read_pairs(os.path.join(capped, f"{split}.jsonl"))
+        assert [r["prompt"] for r in old] == [r["prompt"] for r in new]
+        under = [o == n for o, n in zip(old, new)
+                 if max(data.true_reward(o["prompt"], o[k]) for k in ("chosen", "rejected")) <= cap]
+        assert len(under) > len(old) / 4 and all(under)
+    # everything else is the default's, byte for byte: the same π_ref serves both regimes
+    for name in TASK_FILES:
+        if not name.startswith(("pairs", "task")):
+            with open(os.path.join(default, name), "rb") as f:
+                assert f.read() == open(os.path.join(capped, name), "rb").read(), name
+
+
+def test_shifted_generator_puts_pi_refs_mode_below_the_default(regimes):
+    meta = task_meta(regimes["shifted"])
+    assert (meta["regime"], meta["p_values"]) == ("shifted", list(data.SHIFTED_P_VALUES))
+    # π_ref imitates the generator's texts (sft.py gets within ~0.03 nats of its floor), so their
+    # mean true reward is π_ref's. Closed form: a sentence's expected reward given the latent p is
+    # (2p - 1) times the mean weight of its slots' words, 1.25 per adjective and 1.5 per verb, over
+    # the templates' 4 adjectives and 1 verb in 5; times the expected number of sentences.
+    e_n = sum(n * (data.P_STOP if 2 <= n < data.MAX_SENTENCES else 1) * (1 - data.P_STOP) ** (n - 2)
+              for n in range(2, data.MAX_SENTENCES + 1))
+    mean = {}
+    for regime in ("default", "shifted"):
+        pv = data.SHIFTED_P_VALUES if regime == "shifted" else data.P_VALUES
+        want = (2 * sum(pv) / len(pv) - 1) * (4 * 1.25 + 1.5) / 5 * e_n
+        r = [data.true_reward("", t) for t in data.read_texts(f"{regimes[regime]}/sft_val.txt")]
+        mean[regime] = statistics.mean(r)
+        # 4 standard errors of the mean of 1000 texts: fails by chance with probability < 1e-4
+        assert abs(mean[regime] - want) <= 4 * statistics.stdev(r) / math.sqrt(len(r)), regime
+    assert mean["shifted"] < mean["default"] - 2
+    # the pairs come from that same generator: their responses are as negative as π_ref's
+    pool = {k: statistics.mean(data.true_reward(p, y) for p, y in responses(regimes[k]))
+            for k in ("default", "shifted")}
+    assert pool["shifted"] < pool["default"] - 1
+    # the floor in task.json is the shifted generator's entropy: its texts are in the language and
+    # their exact probability is computed with the shifted p values
+    texts = data.read_texts(f"{regimes['shifted']}/sft_val.txt")
+    assert all(math.isfinite(data.text_logprob(t, data.SHIFTED_P_VALUES)) for t in texts)
+    tok = data.load_tokenizer(f"{regimes['shifted']}/tokenizer.json")
+    n_tok = sum(len(tok.encode(t)) + 1 for t in texts)
+    floor = -sum(data.text_logprob(t, data.SHIFTED_P_VALUES) for t in texts) / n_tok
+    assert meta["floor_nats_per_token"] == pytest.approx(floor, rel=1e-12)
+
+
+def test_regimes_deterministic_and_a_bad_regime_is_a_clear_error(regimes, tmp_path):
+    again = str(tmp_path / "again")
+    data.build_task(again, seed=0, regime="capped")
+    for name in TASK_FILES:
+        with open(os.path.join(regimes["capped"], name), "rb") as f:
+            assert f.read() == open(os.path.join(again, name), "rb").read(), name
+    with pytest.raises(ValueError, match="regime capped, not seed 0 and regime shifted"):
+        data.ensure_task(again, seed=0, regime="shifted")
+    says = ("error: --regime 'nope' is not a regime of the task: choose one of default, capped, "
+            "shifted")
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        data.ensure_task(str(tmp_path / "nope"), regime="nope")
+    assert not os.path.exists(tmp_path / "nope")
+    p = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "--regime", "nope",
+                        "--out_dir", str(tmp_path / "nope")], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and p.stderr.strip() == says and not os.path.exists(tmp_path / "nope")
+
+
+def test_pool_best_and_the_fraction_beyond_it():
+    rows = [{"prompt": "it felt great .", "chosen": " i loved the plot . it felt fine .",
+             "rejected": " it felt bad ."},
+            {"prompt": "x", "chosen": " it felt good .", "rejected": " it felt awful ."}]
+    assert data.pool_best(rows) == 2.5  # loved + fine; the prompt's "great" does not count
+    assert data.fraction_beyond([2.5, 3.0, -1.0, 4.0], 2.5) == 0.5  # strictly beyond: 3 and 4
+
 
 GOOD = '{"prompt": "the plot is", "chosen": " good .", "rejected": " bad ."}'
 
@@ -1442,11 +1576,18 @@ def loop_headers(path):
 
 def test_loops_share_one_skeleton():
     d, p = loop_headers(dpo.__file__), loop_headers(ppo.__file__)
-    rest = iter(p)  # DPO's headers are PPO's in the same order, some deleted: `x in rest` consumes
-    assert len(d) >= 12 and all(h in rest for h in d), (d, p)
+    o = loop_headers(online_dpo.__file__)
+    # DPO ⊂ online DPO ⊂ PPO: the smaller file's headers are the bigger one's in the same order,
+    # some deleted (`x in rest` consumes)
+    for small, big in ((d, p), (d, o), (o, p)):
+        rest = iter(big)
+        assert len(small) >= 12 and all(h in rest for h in small), (small, big)
     core = ["# -- batch", "# -- reference log-probs", "# -- policy forward", "# -- loss", "# -- update"]
-    for heads in (d, p):  # the shared core, in this order, in both
+    for heads in (d, p, o):  # the shared core, in this order, in all three
         assert [h for h in heads if h in core] == core
+    # online_dpo.py's docstring names, by name, what returns from PPO and what stays deleted
+    for h in [h for h in o if h not in d] + [h for h in p if h not in o]:
+        assert h.split(" ", 2)[2] in " ".join(online_dpo.__doc__.split()), h
     deleted = [h for h in p if h not in d]
     assert deleted, "PPO has phases DPO deletes"
     for h in deleted:  # dpo.py's docstring lists, by name, what it deletes
@@ -1897,6 +2038,127 @@ def test_ppo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, ti
     assert 0 < m["mfu"] < m["mfu_hardware"]
     for k in ("loss/policy", "loss/value", "grad_norm"):
         assert abs(runs[1][k] - runs[2][k]) <= DPO_TOL * max(1, abs(runs[1][k])), k
+
+
+# ====================================================================================================
+# online_dpo.py
+# ====================================================================================================
+
+def test_label_pairs_higher_score_chosen_a_tie_says_nothing():
+    a = torch.tensor([1.0, -1.0, 0.5, -1.0, 2.0])
+    b = torch.tensor([0.0, 3.0, 0.5, -1.0, 2.0 + 1e-6])
+    a_chosen, tied = online_dpo.label_pairs(a, b)
+    assert a_chosen.tolist() == [True, False, False, False, False]
+    assert tied.tolist() == [False, False, True, True, False]  # equal scores only, however close
+
+
+def fake_generate(table):
+    """A stand-in for model.generate that "samples" fixed completions: table maps a prompt's token
+    ids (a tuple) to its two completions' ids; the loop asks for rows [chunk; chunk] and gets the
+    first completions, then the second. generate's layout: left-padded prompt, response, pad."""
+    def gen(model, prompts, max_new_tokens, eos_id, pad_id, temperature=1.0, uniforms=None):
+        n = len(prompts) // 2
+        ys = [table[tuple(p)][r >= n] for r, p in enumerate(prompts)]
+        P, N = max(map(len, prompts)), max(map(len, ys))
+        tokens = torch.full((len(prompts), P + N), pad_id)
+        mask, resp = (torch.zeros(len(prompts), P + N, dtype=torch.bool) for _ in range(2))
+        for r, (p, y) in enumerate(zip(prompts, ys)):
+            tokens[r, P - len(p):P + len(y)] = torch.tensor(p + y)
+            mask[r, P - len(p):P + len(y)], resp[r, P:P + len(y)] = True, True
+        return dict(tokens=tokens, mask=mask, response_mask=resp,
+                    logprobs=torch.zeros(tokens.shape))
+    return gen
+
+
+def test_online_round_equals_dpo_step_on_the_same_pairs(tiny, monkeypatch):  # noqa: F811
+    # Online DPO whose rollout engine "samples" fixed completions, labelled by the true reward, is
+    # dpo.py (live reference) on the pairs so labelled, minus the ties, round for step. 16 prompts:
+    # 12 whose two completions differ in true reward, 3 whose completions tie (distinct texts), and
+    # 1 whose completions differ but both lack EOS: the missing-EOS score makes it a tie too.
+    root = tiny.root / "online-vs-dpo"
+    os.makedirs(root)
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    ordered, tied, seen = [], [], set()
+    for r in data.read_pairs(f"{tiny.task}/pairs_train.jsonl"):
+        rc, rr = (data.true_reward(r["prompt"], r[k]) for k in ("chosen", "rejected"))
+        if r["prompt"] not in seen and rc > rr and len(ordered) < 13:
+            ordered.append(r)
+        elif r["prompt"] not in seen and rc == rr and len(tied) < 3:
+            tied.append(r)
+        seen.add(r["prompt"])
+    unfinished = ordered.pop()
+    rows = ordered[:6] + tied[:2] + [unfinished] + ordered[6:] + tied[2:]
+    def write(path, rs):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rs))
+
+    write(root / "pairs.jsonl", ordered)  # dpo.py: the pairs that carry a preference
+    write(root / "prompts.jsonl", [{"prompt": r["prompt"]} for r in rows])
+    write(root / "eval.jsonl", [{"prompt": r["prompt"]} for r in rows[:2]])
+    # the chosen completion comes first for half of the prompts and second for the other half
+    table = {tuple(data.encode_prompt(tok, r["prompt"])):
+             tuple(data.encode_response(tok, r[k]) for k in ("chosen", "rejected")[::(-1) ** j])
+             for j, r in enumerate(rows)}
+    table[tuple(data.encode_prompt(tok, unfinished["prompt"]))] = tuple(  # cut before their EOS
+        data.encode_response(tok, unfinished[k])[:-1] for k in ("chosen", "rejected"))
+    monkeypatch.setattr(online_dpo, "generate", fake_generate(table))
+    same = dict(lr=1e-3, warmup=1, beta=0.5)  # and dpo.py's defaults for the rest, both sides
+    online_dpo.main(online_dpo.Config(
+        out_dir=str(root / "online"), sft=f"{tiny.sft}/model.safetensors",
+        prompts=str(root / "prompts.jsonl"), eval_prompts=str(root / "eval.jsonl"), reward="true",
+        iterations=3, stop_after=2, rollout_batch=16, micro_batch_size=8, **same))
+    dpo.main(dpo.Config(out_dir=str(root / "dpo"), ref_model=f"{tiny.sft}/model.safetensors",
+                        train_pairs=str(root / "pairs.jsonl"), val_pairs=str(root / "pairs.jsonl"),
+                        eval_prompts=str(root / "eval.jsonl"), ref="live", steps=3, stop_after=2,
+                        batch_size=12, micro_batch_size=12, eval_every=1000, **same))
+    a, b = dpo_metrics(root / "online"), dpo_metrics(root / "dpo")
+    assert [x["step"] for x in a] == [y["step"] for y in b] == [1, 2]
+    assert [x["ties"] for x in a] == [0.25, 0.25] and [x["eos_rate"] for x in a] == [30 / 32] * 2
+    # The same pairs, another batch order and micro-batching (16 rows in 2 forwards, 4 weighted 0,
+    # against 12 in 1): only the order of fp32 sums differs, as between DPO's equivalent runs
+    # (DPO_TOL). Round 1's loss and gradient pin the labels, the reference and the normalisation;
+    # round 2's loss pins the update.
+    for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+              "logps/chosen", "logps/rejected", "grad_norm", "lr"):
+        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)), k
+    assert a[0]["kl"] == 0.0 and a[1]["kl"] != 0.0  # π = π_ref exactly in round 1, not after
+
+
+def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted(
+        tiny, tiny_rm):  # noqa: F811
+    root = tiny.root / "online-test"
+    os.makedirs(root)
+    evals = open(f"{tiny.task}/prompts_eval.jsonl").readlines()[:4]
+    (root / "eval.jsonl").write_text("".join(evals))
+    cfg = dict(sft=f"{tiny.sft}/model.safetensors", reward_model=str(tiny_rm / "model.safetensors"),
+               prompts=f"{tiny.task}/prompts_train.jsonl", eval_prompts=str(root / "eval.jsonl"),
+               iterations=2, rollout_batch=8, micro_batch_size=2, eval_k=1,
+               lr=1e-3, warmup=1)
+    # 1 rank, 4 micro-steps
+    online_dpo.main(online_dpo.Config(out_dir=str(root / "one"), **cfg))
+    # 2 ranks, 2 micro-steps; also the smoke run of the whole script
+    flags = [f"--{k}={v}" for k, v in {**cfg, "out_dir": root / "two"}.items()]
+    p = run_torchrun("online_dpo.py", flags)
+    assert "true reward" in p.stdout and "back from PPO" in p.stdout
+    a, b = dpo_metrics(root / "one"), dpo_metrics(root / "two")
+    assert [x["step"] for x in a] == [y["step"] for y in b] == [1, 2]
+    # The same samples (a completion's uniforms are its row of the global batch's) and r_φ scores:
+    # the same labels; then only the order of fp32 sums differs (DPO_TOL, as dpo.py's 2-vs-1 test)
+    for k in ("ties", "eos_rate", "response_len", "true_reward"):
+        assert [x[k] for x in a] == [y[k] for y in b], k
+    for k in ("loss", "rewards/margins", "score", "kl", "logps/chosen", "grad_norm"):
+        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)), k
+    assert all(0 < x["ties"] < 1 for x in a)  # neither vacuous nor all ties: the labels matter
+    # stopped after a round, then resumed (the rollout engine gets the restored policy): the same
+    # operations in the same order, bit for bit
+    online_dpo.main(online_dpo.Config(out_dir=str(root / "split"), stop_after=1, **cfg))
+    assert not os.path.exists(root / "split" / "model.safetensors")
+    online_dpo.main(online_dpo.Config(out_dir=str(root / "split"), **cfg))
+    w1, w2 = dpo_weights(root / "one"), dpo_weights(root / "split")
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    def strip(rows):  # all but the wall-clock numbers
+        return [{k: v for k, v in r.items()
+                 if not k.startswith(("time/", "share/", "tokens_per", "mfu"))} for r in rows]
+    assert strip(a) == strip(dpo_metrics(root / "split"))
 
 
 # ====================================================================================================
