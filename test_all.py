@@ -1377,6 +1377,13 @@ def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval(t
     dpo.main(dpo_cfg(tiny, "curve-whole", steps=4, eval_k=2))
     a, b = dpo_weights(tiny.root / "curve-chunks"), dpo_weights(tiny.root / "curve-whole")
     assert all(torch.equal(a[k], b[k]) for k in a)  # chunks and evaluations change nothing: bit for bit
+    # killed after the last chunk's checkpoint, before its evaluations: resuming trains nothing more
+    # and writes the run's eval.json and the last point again
+    out = tiny.root / "curve-chunks"
+    os.remove(out / "eval.json")
+    (out / "curve.json").write_text(json.dumps(points[:1]))
+    assert compare.train_in_chunks(dpo, c, 2, d, resume=True) == points
+    assert json.loads((out / "eval.json").read_text()) == ev
 
 
 def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
