@@ -169,6 +169,8 @@ def evaluate_reference(cfg, d):
     ref, ref2 = load_model(cfg.sft, d.device)[0], load_model(cfg.sft, d.device)[0]
     prompts = data.read_prompts(os.path.join(cfg.task, "prompts_eval.jsonl"))
     res = evaluate_policy(ref, ref2, tok, prompts, d, k=cfg.eval_k)
+    check("true_reward" in res, f"{prompts}: no true reward; the frontier needs the built-in "
+          "task's prompts, the only ones evaluate.py scores with its hidden reward")
     if d.is_main:
         atomic_write_json(os.path.join(cfg.out_dir, "ref", "eval.json"), res)
 
@@ -435,7 +437,8 @@ def curves_markdown(curves, cfg):
             f"in {cfg.curve_points} chunks (`--stop_after`; the stages resume exactly, so this is "
             "the uninterrupted run) and its checkpoint evaluated after each by the same "
             "evaluation as the frontier; step 0 is π_ref, the last point the run's eval.json. One "
-            "seed: ± is the evaluation's sampling error only. Budget, in responses that carried a "
+            "seed: ± is the evaluation's sampling error only (its completions counted as "
+            "independent). Budget, in responses that carried a "
             "preference signal into training: DPO, 2 labelled responses per pair (2 × batch per "
             "step, repeats counted); PPO, 1 rollout scored by r_φ per prompt (rollout batch per "
             "iteration), on top of the labelled pairs r_φ was trained on once before. Loop FLOPs: "
