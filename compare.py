@@ -1,26 +1,34 @@
 """PPO and DPO side by side: what leaves the cluster when DPO replaces PPO, in measured numbers.
 
-    python compare.py                          # the frontier sweep, then the costs (~10 min on 2 CPU cores)
-    torchrun --nproc_per_node=8 compare.py     # the same, every run on 8 ranks (plain DDP, as the stages)
-    python compare.py --betas 0.01,0.03,0.1,0.3,1,3 --kl_coefs 0.005,0.02,0.05,0.2,0.5 --dpo_steps 300
-    python compare.py --no-costs               # the frontier only (--no-frontier: the costs only)
-    python compare.py --help                   # every flag
+    python compare.py                       # 3 seeds, curves, costs (~15 min on 2 CPU cores)
+    torchrun --nproc_per_node=8 compare.py  # the same, every run on 8 ranks (plain DDP)
+    python compare.py --betas 0.03,0.1,0.3,1,3 --kl_coefs 0.01,0.1,1 --seeds 1,1001,2001,3001
+    python compare.py --no-costs            # the frontier only (--no-frontier: the costs only)
+    python compare.py --help                # every flag
 
-1. The frontier (Figure 2 of Rafailov et al. 2023): DPO at several β, PPO at several KL coefficients with r_φ
-   as its reward and, as the paper's PPO-GT, with the hidden true reward; all from the same π_ref, pairs and
-   prompts, each run by dpo.main / ppo.main in its own folder out/compare/<run>/ and scored by the evaluation
-   both share (evaluate.evaluate_policy): true reward, KL(π‖π_ref), win rate against π_ref. A run whose
-   eval.json exists with the same config and inputs is skipped, so an interrupted sweep resumes.
-   Writes frontier.csv, frontier.md (+ frontier.png if matplotlib is installed).
-2. The costs at π_ref's size: the models each job holds and their bytes, the FLOPs of each phase, the wall
-   time of the real loops (in interleaved rounds: a busy machine slows every job alike, so the ratios hold),
-   the one-time precompute and its payback; then the same analytic functions, checked here against the
-   tensors' bytes and torch's FLOP counter, for a Llama-2-7B-sized GPT on 8 GPUs. Writes costs.md and
-   costs.json; summary.md collects both under the command that made them.
-Missing earlier stages (task, sft, reward model, reference cache) are built once with their defaults.
+1. The frontier (Figure 2 of Rafailov et al. 2023): DPO at several β, PPO at several KL coefficients
+   with r_φ as its reward and, as the paper's PPO-GT, with the hidden true reward; all from the same
+   π_ref, pairs, r_φ, reference cache and prompts. Every setting is trained once per seed of --seeds
+   (the stages' `seed`: data order and sampling), each run by dpo.main / ppo.main in its own
+   folder out/compare/<run>/ and scored by the one evaluation they share (evaluate_policy). A point
+   of the frontier is the mean over seeds ± the standard error across seeds. A run whose eval.json
+   exists with the same config and inputs is skipped, so an interrupted sweep resumes.
+2. Matched KL: each method's mean curve (reward against KL, in order of KL) read at --match_kls by
+   linear interpolation between the two settings that bracket the KL, with its standard error; no
+   number outside a method's measured KL range.
+3. Learning curves: the first seed's DPO run at --curve_beta and PPO run at --curve_kl_coef are
+   trained in --curve_points chunks (the stages resume exactly, so this is the uninterrupted run,
+   observed) and the checkpoint is evaluated after each: true reward and KL against the budget
+   (responses labelled, for DPO, or scored, for PPO) and against the loop's cumulative FLOPs.
+   Writes frontier.csv (one row per run: per seed), curves.csv, frontier.md (+ frontier.png and
+   curves.png if matplotlib is installed).
+4. The costs (costs.py) at π_ref's size and extrapolated to 7B: costs.md and costs.json.
+   summary.md collects the tables under the command that made them.
+Missing earlier stages (task, sft, reward model, reference cache) are built once, with defaults.
 """
 import csv
 import json
+import math
 import os
 import shlex
 import time
@@ -39,180 +47,481 @@ import sft
 from costs import table
 from evaluate import evaluate_policy
 from model import load_model
-from plumbing import (atomic_write_json, barrier, check, checkpoint_state, fmt_duration, init_distributed, main_decides,
-                      parse_config, require_stage, teardown)
+from plumbing import (atomic_write_json, atomic_write_text, barrier, check, checkpoint_state,
+                      fmt_duration, init_distributed, load_checkpoint, main_decides, parse_config,
+                      require_stage, teardown)
 
 
 @dataclass
 class Config:
-    out_dir: str = "out/compare"  # tables, plot, and one folder per run of the sweep
+    out_dir: str = "out/compare"  # tables, plots, and one folder per run of the sweep
     task: str = "out/task"  # pairs_{train,val}.jsonl, prompts_{train,eval}.jsonl; built if missing
     sft: str = "out/sft/model.safetensors"  # π_ref, shared by every run; built by sft.py if missing
     reward_model: str = "out/reward/model.safetensors"  # r_φ for PPO; built by reward.py if missing
     ref_logps: str = "out/ref_logps"  # DPO's cache of log π_ref; built by precompute.py if missing
-    betas: str = "0.03,0.1,0.3,1,3"  # DPO runs: one per β, comma-separated
-    kl_coefs: str = "0.01,0.03,0.1,0.3,1"  # PPO runs with r_φ: one per KL coefficient
-    true_kl_coefs: str = "0.01,0.3"  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
+    betas: str = "0.1,0.3,1,3"  # DPO runs: one per β, comma-separated
+    kl_coefs: str = "0.03,0.1,0.3,1"  # PPO runs with r_φ: one per KL coefficient
+    true_kl_coefs: str = "0.1"  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
+    # training seeds, each setting once per seed: data order, sampling (π_ref, r_φ, cache shared).
+    # Spaced apart: data.global_batch orders epoch e with seed + e, so seeds 1 apart share epochs
+    seeds: str = "1337,2337,3337"
     dpo_steps: int = dpo.Config.steps  # optimizer steps of each DPO run
     ppo_iterations: int = ppo.Config.iterations  # iterations of each PPO run
     eval_k: int = dpo.Config.eval_k  # completions per held-out prompt, every run and π_ref alike
-    frontier: bool = True  # train the sweep, write frontier.*
+    match_kls: str = "1,2,3"  # KL values (nats) at which the methods are compared, interpolated
+    curve_beta: float = 0.3  # DPO's learning curve: the first seed's run at this β (one of betas)
+    curve_kl_coef: float = 0.1  # PPO's learning curve: its run at this KL coef (one of kl_coefs)
+    curve_points: int = 5  # evaluations along each learning curve (0 = no curves)
+    frontier: bool = True  # train the sweep, write frontier.* and curves.*
     costs: bool = True  # measure the costs, write costs.*
     rounds: int = 3  # interleaved timing rounds, each: PPO, DPO live, DPO cached, precompute
-    time_steps: int = 4  # iterations (PPO) or steps (DPO) per timed run; the first warms up, not counted
+    time_steps: int = 4  # iterations (PPO) or steps (DPO) per timed run; the first warms up
 
 
 # -----------------------------------------------------------------------------
-# The frontier
+# Statistics over seeds: pure functions
+
+
+def mean_se(xs):
+    """Mean and standard error of the mean of xs: sample standard deviation (n − 1) / √n. The
+    error is nan for a single value, and both are None if any value is missing (an eval.json
+    written before that field existed)."""
+    if any(x is None for x in xs):
+        return None, None
+    n, m = len(xs), sum(xs) / len(xs)
+    return m, (sum((x - m) ** 2 for x in xs) / (n - 1) / n) ** 0.5 if n > 1 else math.nan
+
+
+def at_kl(settings, x):
+    """A method's true reward at KL x, read off its mean curve. settings: one list per setting (a β
+    or a KL coefficient) of its seeds' (kl, reward). The mean curve joins the settings' mean points
+    in order of KL; between the two that bracket x the reward is linear. Returns (reward, se), or
+    None when x lies outside the measured KL range: no extrapolation.
+    se by the delta method: when the bracketing point i, of weight w_i (1 − w and w), moves by
+    (δx_i, δy_i), the value at x moves by w_i·(δy_i − s·δx_i), s the segment's slope. The two
+    settings' runs are independent, so se² = Σ_i w_i² se²(y_i − s·x_i), each se across that
+    setting's seeds: the KL's own spread, and its correlation with the reward, are carried."""
+    pts = sorted(((mean_se([k for k, _ in s])[0], mean_se([r for _, r in s])[0], s)
+                  for s in settings), key=lambda p: p[0])
+    for (x0, y0, s0), (x1, y1, s1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1 and x0 < x1:
+            w, slope = (x - x0) / (x1 - x0), (y1 - y0) / (x1 - x0)
+            var = sum(wi ** 2 * mean_se([r - slope * k for k, r in s])[1] ** 2
+                      for wi, s in ((1 - w, s0), (w, s1)))
+            return y0 + w * (y1 - y0), var ** 0.5
+    return None
+
+
+def pm(m, se, f="+.3f"):
+    """'m ± se' for the tables; '–' for a missing value, no ± for an unknown error."""
+    if m is None:
+        return "–"
+    return f"{m:{f}}" + (f" ± {se:.3f}" if se is not None and math.isfinite(se) else "")
+
+
+# -----------------------------------------------------------------------------
+# The sweep
+
+
+def floats(s):
+    return [float(v) for v in s.split(",") if v.strip()]
+
+
+def seed_list(cfg):
+    return [int(s) for s in cfg.seeds.split(",") if s.strip()]
 
 
 def sweep(cfg):
-    """The runs: (name, stage, its Config), all from the same π_ref, pairs and prompts."""
+    """The runs: (name, stage, its Config), every setting once per seed, all from the same π_ref,
+    pairs, r_φ, cache and prompts."""
     t, o = (lambda f: os.path.join(cfg.task, f)), (lambda name: os.path.join(cfg.out_dir, name))
-    floats = lambda s: [float(v) for v in s.split(",") if v.strip()]  # noqa: E731
-    runs = [(f"dpo-beta{b:g}", dpo, dpo.Config(
-        out_dir=o(f"dpo-beta{b:g}"), ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"), val_pairs=t("pairs_val.jsonl"),
-        eval_prompts=t("prompts_eval.jsonl"), ref_logps=cfg.ref_logps, beta=b, steps=cfg.dpo_steps, eval_k=cfg.eval_k))
-        for b in floats(cfg.betas)]
+    seeds = seed_list(cfg)
+    runs = [(f"dpo-beta{b:g}-seed{s}", dpo, dpo.Config(
+        out_dir=o(f"dpo-beta{b:g}-seed{s}"), ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
+        val_pairs=t("pairs_val.jsonl"), eval_prompts=t("prompts_eval.jsonl"),
+        ref_logps=cfg.ref_logps, beta=b, steps=cfg.dpo_steps, eval_k=cfg.eval_k, seed=s))
+        for b in floats(cfg.betas) for s in seeds]
     for rw, coefs, tag in (("model", cfg.kl_coefs, "ppo"), ("true", cfg.true_kl_coefs, "ppo-true")):
-        runs += [(f"{tag}-kl{k:g}", ppo, ppo.Config(
-            out_dir=o(f"{tag}-kl{k:g}"), sft=cfg.sft, reward_model=cfg.reward_model, prompts=t("prompts_train.jsonl"),
-            eval_prompts=t("prompts_eval.jsonl"), reward=rw, kl_coef=k, iterations=cfg.ppo_iterations, eval_k=cfg.eval_k))
-            for k in floats(coefs)]
+        runs += [(f"{tag}-kl{k:g}-seed{s}", ppo, ppo.Config(
+            out_dir=o(f"{tag}-kl{k:g}-seed{s}"), sft=cfg.sft, reward_model=cfg.reward_model,
+            prompts=t("prompts_train.jsonl"), eval_prompts=t("prompts_eval.jsonl"), reward=rw,
+            kl_coef=k, iterations=cfg.ppo_iterations, eval_k=cfg.eval_k, seed=s))
+            for k in floats(coefs) for s in seeds]
     return runs
 
 
+def method_of(stage, c):
+    return "π_ref" if stage is None else "DPO" if stage is dpo else \
+        "PPO" if c.reward == "model" else "PPO-GT"
+
+
+def is_curve(cfg, stage, c):
+    """Whether this run is one of the two drawn as a learning curve."""
+    return cfg.curve_points > 0 and stage is not None and c.seed == seed_list(cfg)[0] and (
+        c.beta == cfg.curve_beta if stage is dpo else
+        c.reward == "model" and c.kl_coef == cfg.curve_kl_coef)
+
+
 def evaluate_reference(cfg, d):
-    """π_ref against a second copy of itself through the same evaluation, with DPO's seed: the frontier's
-    origin (KL 0; win rate 1/2 up to sampling error)."""
+    """π_ref against a second copy of itself through the same evaluation: the frontier's origin (KL
+    0; win rate 1/2 up to sampling error), and every learning curve's step 0."""
     tok = data.load_tokenizer(precompute.tokenizer_path(cfg.sft))
     ref, ref2 = load_model(cfg.sft, d.device)[0], load_model(cfg.sft, d.device)[0]
-    res = evaluate_policy(ref, ref2, tok, data.read_prompts(os.path.join(cfg.task, "prompts_eval.jsonl")), d, k=cfg.eval_k)
+    prompts = data.read_prompts(os.path.join(cfg.task, "prompts_eval.jsonl"))
+    res = evaluate_policy(ref, ref2, tok, prompts, d, k=cfg.eval_k)
+    check("true_reward" in res, f"{prompts}: no true reward; the frontier needs the built-in "
+          "task's prompts, the only ones evaluate.py scores with its hidden reward")
     if d.is_main:
         atomic_write_json(os.path.join(cfg.out_dir, "ref", "eval.json"), res)
 
 
+# -----------------------------------------------------------------------------
+# Learning curves: a run trained in chunks, its checkpoint evaluated between them
+
+
+def evaluate_checkpoint(stage, c, d):
+    """The policy in c.out_dir/ckpt, by the evaluation the stage itself ends with (the same
+    prompts, k and sampling seed), so the curve's last point is the run's eval.json."""
+    ref_path = c.ref_model if stage is dpo else c.sft
+    tok = data.load_tokenizer(precompute.tokenizer_path(ref_path))
+    policy, ref = load_model(ref_path, d.device)[0], load_model(ref_path, d.device)[0]
+    # the checkpoint names the policy "model" in dpo.py, "policy" in ppo.py (beside its critic)
+    name = "model" if stage is dpo else "policy"
+    load_checkpoint(os.path.join(c.out_dir, "ckpt"), {name: policy}, d.device)
+    return evaluate_policy(policy, ref, tok, data.read_prompts(c.eval_prompts), d, k=c.eval_k)
+
+
+def train_in_chunks(stage, c, points, d, resume):
+    """Run stage.main(c) as `points` chunks of --stop_after steps (iterations), evaluating the
+    checkpoint's policy after each. The stages resume exactly, so the model at the end is the
+    uninterrupted run's. Returns [{"step", **evaluation}], also kept in c.out_dir/curve.json after
+    every point, so an interrupted curve resumes (resume=True) where it stopped."""
+    total = c.steps if stage is dpo else c.iterations
+    ckpt, path = os.path.join(c.out_dir, "ckpt"), os.path.join(c.out_dir, "curve.json")
+    done = json.loads(Path(path).read_text()) if resume and os.path.exists(path) else []
+    for i in range(1, min(points, total) + 1):
+        b = round(total * i / min(points, total))  # the chunk ends at step b
+        if main_decides(any(p["step"] == b for p in done), d):
+            continue
+        s = (checkpoint_state(ckpt) or {"step": 0})["step"] if resume else 0
+        check(s <= b, f"{ckpt} is at step {s}, past the curve's next point {b}: pass another "
+              "--out_dir, or delete it")
+        if s < b or b == total:  # the last chunk runs to the end: the stage's own eval.json
+            stage.main(replace(c, stop_after=b - s, resume=resume))
+        resume = True
+        done.append({"step": b, **evaluate_checkpoint(stage, c, d)})
+        if d.is_main:
+            atomic_write_json(path, done)
+    return done
+
+
+def loop_flops(c, n):
+    """Cumulative FLOPs of the loop's first 0..n steps (DPO) or iterations (PPO): a list of n + 1,
+    from the loop's own metrics.jsonl ("flops": the model FLOPs its real tokens needed, all ranks,
+    padding not counted). One-time work (r_φ's training, the precompute) is not in it."""
+    per = [json.loads(line)["flops"] for line in open(os.path.join(c.out_dir, "metrics.jsonl"))]
+    return [sum(per[:i]) for i in range(n + 1)]
+
+
+def curve_rows(name, stage, c, ref_ev, points):
+    """Rows of curves.csv: step 0 (the policy is π_ref: its evaluation), then every point. The
+    budget unit: responses that carried a preference signal into training: 2 labelled responses
+    per DPO pair, 1 r_φ-scored rollout per PPO prompt."""
+    per_step = 2 * c.batch_size if stage is dpo else c.rollout_batch
+    cum = loop_flops(c, points[-1]["step"])
+    rows = []
+    for p in [{"step": 0, **ref_ev}] + points:
+        rows.append(dict(run=name, method=method_of(stage, c), step=p["step"],
+                         responses=p["step"] * per_step, flops=cum[p["step"]], **ev_fields(p)))
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Running the sweep
+
+
+EV_FIELDS = ("kl", "true_reward", "win_rate", "eos_rate", "response_len", "true_reward_finished")
+
+
+def ev_fields(ev):
+    """The evaluation's numbers a table shows. eos_rate, response_len and true_reward_finished are
+    None where an older evaluate.py did not write them."""
+    return {**{k: ev.get(k) for k in EV_FIELDS},
+            "true_reward_se": ev["true_reward_std"] / ev["n_completions"] ** 0.5,  # sampling only
+            "n_completions": ev["n_completions"],
+            **{f"ref_{k}": ev.get(f"ref_{k}") for k in EV_FIELDS[1:] if k != "win_rate"}}
+
+
 def frontier(cfg, d, say):
-    """Train every run not already done; then, on rank 0, one row per run from its eval.json."""
+    """Train every run not already done (the curve runs in chunks); then, on rank 0, one row per
+    run from its eval.json, and the learning curves' rows."""
+    check(cfg.curve_points == 0 or (cfg.curve_beta in floats(cfg.betas)
+                                    and cfg.curve_kl_coef in floats(cfg.kl_coefs)),
+          f"--curve_beta {cfg.curve_beta:g} must be one of --betas and --curve_kl_coef "
+          f"{cfg.curve_kl_coef:g} one of --kl_coefs (or --curve_points 0)")
+    check(len(seed_list(cfg)) == len(set(seed_list(cfg))) > 0,
+          f"--seeds {cfg.seeds!r}: give one or more distinct seeds")
     sha = {p: precompute.sha256(p) for p in (cfg.sft, cfg.reward_model)}
-    todo = [("ref", None, {"k": cfg.eval_k, "prompts": os.path.join(cfg.task, "prompts_eval.jsonl")})] + sweep(cfg)
+    prompts = os.path.join(cfg.task, "prompts_eval.jsonl")
+    todo = [("ref", None, {"k": cfg.eval_k, "prompts": prompts})] + sweep(cfg)
     t0, trained, spent = time.time(), 0, 0.0
     for i, (name, stage, c) in enumerate(todo):
-        # run.json: what the run was made from (its config, π_ref's and r_φ's sha256) and whether it finished
+        # run.json: what the run was made from (its config, π_ref's and r_φ's sha256, whether it
+        # is a learning curve) and whether it finished
         out, uses_rm = os.path.join(cfg.out_dir, name), stage is ppo and c.reward == "model"
-        rec = {"stage": stage.__name__ if stage else "evaluate", "config": asdict(c) if stage else c,
-               "sft_sha256": sha[cfg.sft], **({"reward_model_sha256": sha[cfg.reward_model]} if uses_rm else {})}
-        saved = json.loads(Path(out, "run.json").read_text()) if os.path.exists(f"{out}/run.json") else {}
-        if main_decides(saved.get("run") == rec and saved["finished"] and os.path.exists(f"{out}/eval.json"), d):
-            say(f"[{i + 1}/{len(todo)}] {name}: eval.json exists with the same config and inputs: skipped")
+        curve = is_curve(cfg, stage, c)
+        rec = {"stage": stage.__name__ if stage else "evaluate",
+               "config": asdict(c) if stage else c,
+               "sft_sha256": sha[cfg.sft],
+               **({"reward_model_sha256": sha[cfg.reward_model]} if uses_rm else {}),
+               **({"curve_points": cfg.curve_points} if curve else {})}
+        saved = json.loads(Path(out, "run.json").read_text()) if os.path.exists(f"{out}/run.json") \
+            else {}
+        if main_decides(saved.get("run") == rec and saved["finished"]
+                        and os.path.exists(f"{out}/eval.json"), d):
+            say(f"[{i + 1}/{len(todo)}] {name}: eval.json exists with the same config and inputs: "
+                "skipped")
             continue
-        resume = main_decides(saved.get("run") == rec, d)  # this run, interrupted: resume; anything else: start over
-        what = ("π_ref against itself" if stage is None else f"dpo.main, β {c.beta:g}, {c.steps} steps" if stage is dpo else
-                f"ppo.main, {'r_φ' if uses_rm else 'the true reward'}, KL coef {c.kl_coef:g}, {c.iterations} iterations")
-        say(f"[{i + 1}/{len(todo)}] {name}: {what}" + (" (resuming)" if resume and checkpoint_state(f"{out}/ckpt") else ""))
+        # this run, interrupted: resume; anything else: start over
+        resume = main_decides(saved.get("run") == rec, d)
+        what = ("π_ref against itself" if stage is None else
+                f"dpo.main, β {c.beta:g}, {c.steps} steps, seed {c.seed}" if stage is dpo else
+                f"ppo.main, {'r_φ' if uses_rm else 'the true reward'}, KL coef {c.kl_coef:g}, "
+                f"{c.iterations} iterations, seed {c.seed}")
+        what += f", in {cfg.curve_points} chunks (learning curve)" if curve else ""
+        resuming = resume and stage and checkpoint_state(f"{out}/ckpt")
+        say(f"[{i + 1}/{len(todo)}] {name}: {what}" + (" (resuming)" if resuming else ""))
         if d.is_main:
             os.makedirs(out, exist_ok=True)
             atomic_write_json(f"{out}/run.json", {"run": rec, "finished": False})
         barrier(d)
         t1 = time.time()
-        evaluate_reference(cfg, d) if stage is None else stage.main(replace(c, resume=resume))
+        if stage is None:
+            evaluate_reference(cfg, d)
+        elif curve:
+            train_in_chunks(stage, c, cfg.curve_points, d, resume)
+        else:
+            stage.main(replace(c, resume=resume))
         wall = time.time() - t1
         trained, spent = trained + (stage is not None), spent + wall * (stage is not None)
         if d.is_main:
             atomic_write_json(f"{out}/run.json", {"run": rec, "finished": True, "wall_s": wall})
         left = sum(1 for r in todo[i + 1:] if r[1] is not None)
-        say(f"[{i + 1}/{len(todo)}] {name} done in {fmt_duration(wall)} | sweep {fmt_duration(time.time() - t0)} so far"
+        say(f"[{i + 1}/{len(todo)}] {name} done in {fmt_duration(wall)} | sweep "
+            f"{fmt_duration(time.time() - t0)} so far"
             + (f", about {fmt_duration(spent / trained * left)} to go" if left and trained else ""))
-    rows = []
+    rows, curves = [], []
+    read = lambda name, f: json.loads(Path(cfg.out_dir, name, f).read_text())  # noqa: E731
     for name, stage, c in todo if d.is_main else ():
-        ev, run = (json.loads(Path(cfg.out_dir, name, f).read_text()) for f in ("eval.json", "run.json"))
-        method = "π_ref" if stage is None else "DPO" if stage is dpo else "PPO" if c.reward == "model" else "PPO-GT"
-        rows.append(dict(run=name, method=method, beta=c.beta if stage is dpo else "", kl_coef=c.kl_coef if stage is ppo else "",
-                         kl=ev["kl"], true_reward=ev["true_reward"], win_rate=ev["win_rate"],
-                         true_reward_se=ev["true_reward_std"] / ev["n_completions"] ** 0.5,  # standard error of the mean
-                         ref_true_reward=ev["ref_true_reward"], n_completions=ev["n_completions"], wall_s=run.get("wall_s")))
-    return rows
+        ev, run = read(name, "eval.json"), read(name, "run.json")
+        rows.append(dict(run=name, method=method_of(stage, c),
+                         beta=c.beta if stage is dpo else "",
+                         kl_coef=c.kl_coef if stage is ppo else "",
+                         seed=c.seed if stage else "", **ev_fields(ev), wall_s=run.get("wall_s")))
+        if is_curve(cfg, stage, c):
+            curves += curve_rows(name, stage, c, read("ref", "eval.json"), read(name, "curve.json"))
+    return rows, curves
 
 
-def write_frontier(rows, cfg):
-    """frontier.csv, frontier.md and, if matplotlib is installed, frontier.png; returns the markdown."""
-    with open(f"{cfg.out_dir}/frontier.csv.tmp", "w", newline="") as f:
+# -----------------------------------------------------------------------------
+# Tables
+
+
+def write_csv(path, rows):
+    with open(path + ".tmp", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    os.replace(f"{cfg.out_dir}/frontier.csv.tmp", f"{cfg.out_dir}/frontier.csv")
-    md = table(["run", "method", "β / KL coef", "KL(π‖π_ref) nats", "true reward ± s.e.", "win rate vs π_ref", "wall time"],
-               [[r["run"], r["method"], r["beta"] if r["method"] == "DPO" else r["kl_coef"], f"{r['kl']:.3f}",
-                 f"{r['true_reward']:+.3f} ± {r['true_reward_se']:.3f}", f"{r['win_rate']:.3f}",
-                 fmt_duration(r["wall_s"]) if r["wall_s"] is not None else "–"] for r in rows])
-    md = (f"## The frontier: true reward against KL(π‖π_ref), as Figure 2 of the DPO paper\n\n{md}\n\nEach policy sampled "
-          f"{cfg.eval_k} completions of every held-out prompt ({rows[0]['n_completions']} in all, temperature 1). KL: their "
-          "mean Σ_t log π − log π_ref, with the training log-prob function; true reward: the task's hidden reward, mean ± "
-          "standard error; win rate: against π_ref's completions of the same prompts, ties half. The π_ref row is π_ref "
-          "against a second copy of itself. Wall time: training and evaluation of the run.")
-    with open(f"{cfg.out_dir}/frontier.md", "w") as f:
-        f.write(md + "\n")
-    try:  # the plot is optional: nothing else needs matplotlib
+    os.replace(path + ".tmp", path)
+
+
+def settings(rows):
+    """The runs grouped by (method, β or KL coef), in sweep order: {key: [row per seed]}."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["method"], r["beta"] if r["method"] == "DPO" else r["kl_coef"]),
+                          []).append(r)
+    return groups
+
+
+def frontier_markdown(rows, cfg):
+    groups = settings(rows)
+    stat = lambda rs, k: mean_se([r[k] for r in rs])  # noqa: E731
+    body = []
+    for (method, setting), rs in groups.items():
+        seeds = "–" if method == "π_ref" else len(rs)
+        body.append([method, setting, seeds, pm(*stat(rs, "kl"), ".3f"),
+                     pm(*stat(rs, "true_reward")), pm(*stat(rs, "win_rate"), ".3f"),
+                     pm(*stat(rs, "eos_rate"), ".3f"), pm(*stat(rs, "response_len"), ".1f"),
+                     pm(*stat(rs, "true_reward_finished")),
+                     fmt_duration(sum(r["wall_s"] or 0 for r in rs) / len(rs))])
+    ref = rows[0]
+    md = table(["method", "β / KL coef", "seeds", "KL(π‖π_ref) nats", "true reward",
+                "win rate vs π_ref", "EOS rate", "response tokens", "reward if finished",
+                "wall per run"], body)
+    return ("## The frontier: true reward against KL(π‖π_ref), as Figure 2 of the DPO paper\n\n"
+            f"{md}\n\nEvery setting trained once per seed ({cfg.seeds}: the stages' `seed`, "
+            "data order and sampling; π_ref, r_φ and the reference cache shared). Each cell: mean "
+            "over the seeds ± standard error across seeds (n − 1 in the variance), so the ± holds "
+            "training and evaluation noise together; frontier.csv keeps one row per seed. Each "
+            f"policy sampled {cfg.eval_k} completions of every held-out prompt "
+            f"({ref['n_completions']} in all, temperature 1), scored by evaluate.py's one rule. "
+            "KL: their mean Σ_t log π − log π_ref, with the training log-prob function; true "
+            "reward: the task's hidden reward; win rate: against π_ref's completions of the same "
+            "prompts, ties half; EOS rate: the share of completions that ended; response tokens: "
+            "their mean length; reward if finished: the mean true reward of those that ended (a "
+            "gap to the true reward shows length gaming). The π_ref row is one evaluation of π_ref "
+            "against a second copy of itself (no training seed; its sampling s.e. is "
+            f"{ref['true_reward_se']:.3f}). Determinism: a run repeats exactly (the same numbers) "
+            f"on the same CPU with the same thread count ({torch.get_num_threads()} here); another "
+            "thread count or CPU changes the order of floating-point sums and, through sampling, "
+            "the run: the spread across seeds is the scale of that difference. Wall time: "
+            "training and evaluation, mean per run.")
+
+
+def matched_kl_markdown(rows, cfg):
+    """The methods at --match_kls, each read off its mean curve (at_kl)."""
+    groups = settings(rows)
+    methods = [m for m in ("DPO", "PPO", "PPO-GT") if any(k[0] == m for k in groups)]
+    curve = {m: [[(r["kl"], r["true_reward"]) for r in rs] for (g, _), rs in groups.items()
+                 if g == m] for m in methods}
+    body = []
+    for x in floats(cfg.match_kls):
+        got = {m: at_kl(curve[m], x) for m in methods}
+        diff = "–"
+        if got.get("DPO") and got.get("PPO"):
+            diff = pm(got["DPO"][0] - got["PPO"][0], math.hypot(got["DPO"][1], got["PPO"][1]))
+        body.append([f"{x:g}"] + [pm(*got[m]) if got[m] else "–" for m in methods] + [diff])
+    kl = {m: [mean_se([k for k, _ in s])[0] for s in curve[m]] for m in methods}
+    ranges = "; ".join(f"{m} {min(kl[m]):.2f} to {max(kl[m]):.2f}" for m in methods)
+    md = table(["KL(π‖π_ref) nats"] + [f"{m} true reward" for m in methods] + ["DPO − PPO"], body)
+    return (f"## At matched KL: true reward read off each method's frontier\n\n{md}\n\nEach "
+            "method's mean curve (its settings' mean points over seeds, joined in order of KL) "
+            "read linearly between the two settings that bracket the KL. ± is the standard error "
+            "by the delta method: the bracketing settings' per-seed values of (reward − slope × "
+            "KL), their standard error across seeds, weighted by the interpolation weights, so "
+            "the KL's own spread counts. –: outside the method's measured range of mean KL "
+            f"({ranges} nats), where nothing was measured. DPO − PPO: the difference, the errors "
+            "added in quadrature (independent runs).")
+
+
+def curves_markdown(curves, cfg):
+    body = [[r["method"], r["step"], f"{r['responses']:,}", f"{r['flops']:.3g}",
+             f"{r['kl']:.3f}", pm(r["true_reward"], r["true_reward_se"]), pm(r["eos_rate"], None,
+                                                                              ".3f"),
+             pm(r["response_len"], None, ".1f")] for r in curves]
+    md = table(["method", "step", "responses", "loop FLOPs", "KL(π‖π_ref) nats", "true reward",
+                "EOS rate", "response tokens"], body)
+    runs = ", ".join(sorted({r["run"] for r in curves}))
+    return (f"## Learning curves: one run of each method ({runs})\n\n{md}\n\nThe run trained "
+            f"in {cfg.curve_points} chunks (`--stop_after`; the stages resume exactly, so this is "
+            "the uninterrupted run) and its checkpoint evaluated after each by the same "
+            "evaluation as the frontier; step 0 is π_ref, the last point the run's eval.json. One "
+            "seed: ± is the evaluation's sampling error only (its completions counted as "
+            "independent). Budget, in responses that carried a "
+            "preference signal into training: DPO, 2 labelled responses per pair (2 × batch per "
+            "step, repeats counted); PPO, 1 rollout scored by r_φ per prompt (rollout batch per "
+            "iteration), on top of the labelled pairs r_φ was trained on once before. Loop FLOPs: "
+            "the loop's model FLOPs as it counted them (model.model_flops of its real tokens, "
+            "padding not counted), cumulative; the one-time precompute (DPO) and r_φ's training (PPO) are in "
+            "the cost tables, not here.")
+
+
+def write_tables(rows, curves, cfg):
+    """frontier.csv, curves.csv, frontier.md and, if matplotlib is installed, frontier.png and
+    curves.png; returns the markdown."""
+    write_csv(f"{cfg.out_dir}/frontier.csv", rows)
+    parts = [frontier_markdown(rows, cfg), matched_kl_markdown(rows, cfg)]
+    if curves:
+        write_csv(f"{cfg.out_dir}/curves.csv", curves)
+        parts.append(curves_markdown(curves, cfg))
+    md = "\n\n".join(parts)
+    atomic_write_text(f"{cfg.out_dir}/frontier.md", md + "\n")
+    try:  # the plots are optional: nothing else needs matplotlib
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return md + "\n\n(no frontier.png: matplotlib is not installed)"
+        return md + "\n\n(no frontier.png, curves.png: matplotlib is not installed)"
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method, marker in (("π_ref", "*"), ("DPO", "o"), ("PPO", "s"), ("PPO-GT", "^")):
-        rs = sorted((r for r in rows if r["method"] == method), key=lambda r: r["kl"])
-        if rs:  # a method's runs joined in order of KL: its frontier
-            ax.errorbar([r["kl"] for r in rs], [r["true_reward"] for r in rs], yerr=[r["true_reward_se"] for r in rs],
-                        fmt=marker + "-", capsize=2, label=method)
-    ax.set(xlabel="KL(π‖π_ref), nats per completion", ylabel="true reward", title="true reward against KL, held-out prompts")
+    for method, marker in zip(("π_ref", "DPO", "PPO", "PPO-GT"), "*os^"):
+        pts = sorted((mean_se([r["kl"] for r in rs]), mean_se([r["true_reward"] for r in rs]))
+                     for (m, _), rs in settings(rows).items() if m == method)
+        if pts:  # a method's settings joined in order of KL: its frontier, ± across seeds
+            (x, xe), (y, ye) = zip(*[p[0] for p in pts]), zip(*[p[1] for p in pts])
+            ax.errorbar(x, y, xerr=xe, yerr=ye, fmt=marker + "-", capsize=2, label=method)
+    ax.set(xlabel="KL(π‖π_ref), nats per completion", ylabel="true reward",
+           title="held-out prompts, mean ± s.e. over seeds")
     ax.legend()
     fig.tight_layout()
     fig.savefig(f"{cfg.out_dir}/frontier.png", dpi=120)
     plt.close(fig)
+    if curves:
+        fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+        for col, xk in enumerate(("responses", "flops")):
+            for row, yk in enumerate(("true_reward", "kl")):
+                for run in sorted({r["run"] for r in curves}):
+                    rs = [r for r in curves if r["run"] == run]
+                    axes[row][col].plot([r[xk] for r in rs], [r[yk] for r in rs], "o-", label=run)
+                axes[row][col].set(xlabel={"responses": "responses labelled (DPO) or scored (PPO)",
+                                           "flops": "loop FLOPs"}[xk], ylabel=yk)
+        axes[0][0].legend()
+        fig.tight_layout()
+        fig.savefig(f"{cfg.out_dir}/curves.png", dpi=120)
+        plt.close(fig)
     return md
 
 
 def command(cfg):
-    """compare.py with the flags that differ from the defaults: the command that reproduces the tables."""
+    """compare.py with the flags that differ from the defaults: the command that reproduces the
+    tables."""
     flag = lambda f, v: (f"--{'' if v else 'no-'}{f.name}" if isinstance(v, bool)  # noqa: E731
                          else f"--{f.name} {shlex.quote(str(v))}")
-    return " ".join(["compare.py"] + [flag(f, getattr(cfg, f.name)) for f in fields(cfg) if getattr(cfg, f.name) != f.default])
+    return " ".join(["compare.py"] + [flag(f, getattr(cfg, f.name)) for f in fields(cfg)
+                                      if getattr(cfg, f.name) != f.default])
 
 
 def main(cfg):
     d = init_distributed()
     say = lambda *a: print(*a, flush=True) if d.is_main else None  # noqa: E731  rank 0 speaks
-    check(cfg.time_steps >= 2, "--time_steps must be >= 2: the first step of a timed run warms up and is dropped")
+    check(cfg.time_steps >= 2,
+          "--time_steps must be >= 2: the first step of a timed run warms up and is dropped")
     t0, t = time.time(), lambda f: os.path.join(cfg.task, f)
     # the earlier stages, shared by every run: built once, with their defaults, when missing
     for f in ("pairs_train.jsonl", "pairs_val.jsonl", "prompts_train.jsonl", "prompts_eval.jsonl"):
-        require_stage(t(f), os.path.join(Config.task, f), lambda: sft.build_task(d), "python data.py", d, say)
-    require_stage(cfg.sft, Config.sft, lambda: (sft.main(sft.Config()), barrier(d)), "python sft.py", d, say)
-    require_stage(cfg.reward_model, Config.reward_model, lambda: (reward.main(reward.Config()), barrier(d)),
-                  "python reward.py", d, say)
-    pc = precompute.Config(out_dir=cfg.ref_logps, ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
-                           val_pairs=t("pairs_val.jsonl"))
+        require_stage(t(f), os.path.join(Config.task, f), lambda: sft.build_task(d),
+                      "python data.py", d, say)
+    require_stage(cfg.sft, Config.sft, lambda: (sft.main(sft.Config()), barrier(d)),
+                  "python sft.py", d, say)
+    require_stage(cfg.reward_model, Config.reward_model,
+                  lambda: (reward.main(reward.Config()), barrier(d)), "python reward.py", d, say)
+    pc = precompute.Config(out_dir=cfg.ref_logps, ref_model=cfg.sft,
+                           train_pairs=t("pairs_train.jsonl"), val_pairs=t("pairs_val.jsonl"))
     for split in ("train", "val"):
-        require_stage(f"{cfg.ref_logps}/{split}.safetensors", f"{Config.ref_logps}/{split}.safetensors",
-                      lambda: precompute.main(pc), precompute.command(pc), d, say)
+        require_stage(f"{cfg.ref_logps}/{split}.safetensors",
+                      f"{Config.ref_logps}/{split}.safetensors", lambda: precompute.main(pc),
+                      precompute.command(pc), d, say)
     os.makedirs(cfg.out_dir, exist_ok=True)
     if cfg.frontier:
-        rows = frontier(cfg, d, say)
+        rows, curves = frontier(cfg, d, say)
         if d.is_main:
-            say(write_frontier(rows, cfg) + f"\nwrote {cfg.out_dir}/frontier.csv and frontier.md")
+            say(write_tables(rows, curves, cfg) + f"\nwrote {cfg.out_dir}/frontier.csv, "
+                "curves.csv and frontier.md")
     if cfg.costs:
         res = costs.costs(cfg, d, say)
         if d.is_main:
             atomic_write_json(f"{cfg.out_dir}/costs.json", res)
-            with open(f"{cfg.out_dir}/costs.md", "w") as f:
-                f.write(costs.costs_markdown(res, cfg) + "\n")
+            atomic_write_text(f"{cfg.out_dir}/costs.md", costs.costs_markdown(res, cfg) + "\n")
             say(costs.costs_markdown(res, cfg) + f"\nwrote {cfg.out_dir}/costs.md and costs.json")
     if d.is_main:
-        parts = [Path(cfg.out_dir, n).read_text() for n in ("frontier.md", "costs.md") if os.path.exists(f"{cfg.out_dir}/{n}")]
+        parts = [Path(cfg.out_dir, n).read_text() for n in ("frontier.md", "costs.md")
+                 if os.path.exists(f"{cfg.out_dir}/{n}")]
         cmd = (f"torchrun --nproc_per_node={d.world} " if d.world > 1 else "python ") + command(cfg)
-        with open(f"{cfg.out_dir}/summary.md", "w") as f:
-            f.write(f"# PPO against DPO, measured\n\nProduced by `{cmd}` in {fmt_duration(time.time() - t0)} on "
-                    f"{d.world} × {d.device} ({torch.get_num_threads()} threads per rank).\n\n" + "\n\n".join(parts))
+        atomic_write_text(f"{cfg.out_dir}/summary.md",
+                          f"# PPO against DPO, measured\n\nProduced by `{cmd}` in "
+                          f"{fmt_duration(time.time() - t0)} on {d.world} × {d.device} "
+                          f"({torch.get_num_threads()} threads per rank).\n\n"
+                          + "\n\n".join(parts))
         say(f"wrote {cfg.out_dir}/summary.md; compare.py took {fmt_duration(time.time() - t0)}")
     teardown(d)
 

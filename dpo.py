@@ -304,6 +304,7 @@ def main(cfg):
                    "rewards/margins": (s["r_chosen"] - s["r_rejected"]) / n,
                    "logps/chosen": s["logp_chosen"] / n, "logps/rejected": s["logp_rejected"] / n,
                    "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": s["tokens"] / dt,
+                   "flops": s["flops_model"],  # this step's model FLOPs, all ranks
                    "mfu": s["flops_model"] / (d.world * peak * dt),
                    "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
                    "time/step": 1000 * dt, **times}

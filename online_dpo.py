@@ -306,6 +306,7 @@ def main(cfg):
                    "ties": 1 - n_keep / cfg.rollout_batch, "eos_rate": t["eos"] / n_s,
                    "response_len": t["tokens"] / n_s, "grad_norm": grad_norm, "lr": lr,
                    "broadcast_MB": n_bytes / 2**20, "tokens_per_sec": t["real"] / dt,
+                   "flops": t["flops_model"],  # this step's model FLOPs, all ranks
                    "mfu": t["flops_model"] / (d.world * peak * dt),
                    "mfu_hardware": t["flops_hardware"] / (d.world * peak * dt),
                    "time/iteration": 1000 * dt, **times,

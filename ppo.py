@@ -476,6 +476,7 @@ def main(cfg):
                    "grad_norm": grad_norm, "lr": lr, "response_len": n_t / n,
                    "eos_rate": s["eos"] / n, "logprob_gap": s["gap"] / n_t,
                    "broadcast_MB": n_bytes / 2**20, "tokens_per_sec": s["real"] / dt,
+                   "flops": s["flops_model"],  # this step's model FLOPs, all ranks
                    "mfu": s["flops_model"] / (d.world * peak * dt),
                    "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
                    "time/iteration": 1000 * dt, **times,

@@ -1886,10 +1886,11 @@ def test_reward_two_ranks_equal_one_process(tiny, tiny_rm, tmp_path):
 def test_ppo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_eval_prompts):
     root, rm = tiny.root / "ppo-test", str(tiny_rm / "model.safetensors")
     # One iteration of 2 epochs over one minibatch (whose rows are then the same on any world
-    # size): 1 process x 4 micro-steps of 2 rollouts, 2 ranks x 2. lr 1e-3: the second epoch
-    # clips some ratios, so clipfrac and approx_kl are not 0 and their normalisation shows.
+    # size): 1 process x 4 micro-steps of 2 rollouts, 2 ranks x 2. lr 3e-3: the second epoch
+    # clips some ratios, so clipfrac and approx_kl are not 0 and their normalisation shows (at
+    # 1e-3 no ratio left [0.8, 1.2]: approx_kl 5.4e-4, clipfrac 0).
     one = tiny_ppo_config(tiny, rm, root / "ppo1", ppo_eval_prompts, iterations=1, mini_batch=8,
-                          lr=1e-3)
+                          lr=3e-3)
     ppo.main(one)
     two = replace(one, out_dir=str(root / "ppo2"))
     run_torchrun("ppo.py", [f"--{k}={v}" for k, v in vars(two).items() if not isinstance(v, bool)])
@@ -2324,6 +2325,57 @@ def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F
         assert costs.state_bytes(replace(c, head=head), trains, w=w) == measured, name
 
 
+def test_mean_and_standard_error_across_seeds_by_hand():
+    m, se = compare.mean_se([1.0, 2.0, 3.0, 6.0])
+    # mean 3; sample variance (4 + 1 + 0 + 9) / 3 = 14/3; s.e. = √(14/3 / 4) = √(7/6)
+    assert m == 3.0 and se == pytest.approx(math.sqrt(7 / 6), rel=1e-12)
+    assert compare.mean_se([0.5])[0] == 0.5 and math.isnan(compare.mean_se([0.5])[1])
+    assert compare.mean_se([1.0, None]) == (None, None)  # an eval.json without the field
+
+
+def test_matched_kl_interpolation_by_hand():
+    # settings of one method, each a list of its seeds' (kl, reward); given out of KL order
+    c = [(5.0, 1.0), (5.0, 1.0)]  # mean (5, 1), no spread
+    a = [(1.0, 0.0), (1.0, 1.0)]  # mean (1, 0.5); the reward alone spreads
+    b = [(2.5, 2.0), (3.5, 2.0)]  # mean (3, 2); the KL alone spreads
+    curve = [c, a, b]
+    # x = 2: halfway from a to b, 0.5 + 0.5·1.5 = 1.25; slope 0.75. reward − 0.75·kl per seed: a
+    # (-0.75, 0.25), s.e. |difference|/2 = 0.5; b (0.125, -0.625), s.e. 0.375. se² = 0.5²·0.5² +
+    # 0.5²·0.375² = 0.09765625 = 0.3125²
+    y, se = compare.at_kl(curve, 2.0)
+    assert y == pytest.approx(1.25, abs=1e-12) and se == pytest.approx(0.3125, abs=1e-12)
+    # x = 4: halfway from b to c, 1.5; slope -0.5: b's 2 + 0.5·kl = (3.25, 3.75), s.e. 0.25; c none
+    y, se = compare.at_kl(curve, 4.0)
+    assert y == pytest.approx(1.5, abs=1e-12) and se == pytest.approx(0.5 * 0.25, abs=1e-12)
+    assert compare.at_kl(curve, 1.0)[0] == pytest.approx(0.5, abs=1e-12)  # the range's own ends
+    assert compare.at_kl(curve, 5.0)[0] == pytest.approx(1.0, abs=1e-12)
+    for x in (0.99, 5.01, 0.0):  # outside the measured range of mean KL [1, 5]: no number
+        assert compare.at_kl(curve, x) is None
+    assert compare.at_kl([a], 1.0) is None  # one setting: no curve to read
+
+
+def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval(tiny, dpo_cache):  # noqa: F811
+    d = init_distributed()
+    c = dpo_cfg(tiny, "curve-chunks", steps=4, eval_k=2)
+    points = compare.train_in_chunks(dpo, c, 2, d, resume=False)
+    assert [p["step"] for p in points] == [2, 4]
+    with open(tiny.root / "curve-chunks" / "eval.json") as f:
+        ev = json.load(f)
+    # the last point is the run's own final evaluation: the same policy, prompts, k and seed
+    assert {k: ev[k] for k in points[-1] if k != "step"} == {k: v for k, v in points[-1].items() if k != "step"}
+    assert points[0]["kl"] != points[1]["kl"]  # the first point saw the policy halfway
+    dpo.main(dpo_cfg(tiny, "curve-whole", steps=4, eval_k=2))
+    a, b = dpo_weights(tiny.root / "curve-chunks"), dpo_weights(tiny.root / "curve-whole")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # chunks and evaluations change nothing: bit for bit
+    # killed after the last chunk's checkpoint, before its evaluations: resuming trains nothing more
+    # and writes the run's eval.json and the last point again
+    out = tiny.root / "curve-chunks"
+    os.remove(out / "eval.json")
+    (out / "curve.json").write_text(json.dumps(points[:1]))
+    assert compare.train_in_chunks(dpo, c, 2, d, resume=True) == points
+    assert json.loads((out / "eval.json").read_text()) == ev
+
+
 def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     root = tiny.root / "compare-test"
     task = root / "task"  # a slice of the task, so every run takes a second or two
@@ -2336,12 +2388,29 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
                                       train_pairs=str(task / "pairs_train.jsonl"), val_pairs=str(task / "pairs_val.jsonl")))
     cfg = compare.Config(out_dir=str(root / "out"), task=str(task), sft=sft_file, reward_model=sft_file,
                          ref_logps=str(root / "ref_logps"), betas="0.1", kl_coefs="0.05", true_kl_coefs="",
-                         dpo_steps=2, ppo_iterations=1, eval_k=1, rounds=1, time_steps=2)
+                         seeds="1,1001", dpo_steps=2, ppo_iterations=2, eval_k=1, curve_beta=0.1,
+                         curve_kl_coef=0.05, curve_points=2, match_kls="0.001", rounds=1, time_steps=2)
     compare.main(cfg)
     with open(root / "out" / "frontier.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["run"], r["method"]) for r in rows] == [("ref", "π_ref"), ("dpo-beta0.1", "DPO"), ("ppo-kl0.05", "PPO")]
+    assert [(r["run"], r["method"], r["seed"]) for r in rows] == [
+        ("ref", "π_ref", ""), ("dpo-beta0.1-seed1", "DPO", "1"), ("dpo-beta0.1-seed1001", "DPO", "1001"),
+        ("ppo-kl0.05-seed1", "PPO", "1"), ("ppo-kl0.05-seed1001", "PPO", "1001")]
     assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows for k in ("kl", "true_reward", "win_rate"))
+    assert rows[1]["kl"] != rows[2]["kl"] and rows[3]["kl"] != rows[4]["kl"]  # the seeds trained differently
+    md = (root / "out" / "frontier.md").read_text()
+    for i in (1, 3):  # each setting's row: the mean over its two seeds ± the standard error across them
+        m, se = compare.mean_se([float(rows[j]["true_reward"]) for j in (i, i + 1)])
+        assert f"{m:+.3f} ± {se:.3f}" in md
+    # each curve: step 0 is π_ref, its last point the first seed's eval.json (ppo.py's and dpo.py's)
+    with open(root / "out" / "curves.csv") as f:
+        curves = list(csv.DictReader(f))
+    for run, row in (("dpo-beta0.1-seed1", rows[1]), ("ppo-kl0.05-seed1", rows[3])):
+        c = [r for r in curves if r["run"] == run]
+        assert [int(r["step"]) for r in c] == [0, 1, 2] and float(c[0]["kl"]) == 0.0
+        assert c[-1]["kl"] == row["kl"] and c[-1]["true_reward"] == row["true_reward"]
+        assert float(c[0]["flops"]) == 0 < float(c[1]["flops"]) < float(c[2]["flops"])
+    assert [int(r["responses"]) for r in curves] == [0, 128, 256, 0, 64, 128]  # 2 x 64 pairs; 64 rollouts
     with open(root / "out" / "costs.json") as f:
         res = json.load(f)
     for job in costs.JOBS:
@@ -2351,13 +2420,15 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
         > res["jobs"]["dpo_cache"]["bytes_analytic"]["total"]
     summary = (root / "out" / "summary.md").read_text()
     assert "python compare.py --out_dir" in summary and "frontier" in summary and "7B" in summary
-    # resumed on two ranks with one more β: the three finished runs are skipped, only dpo-beta0.3 trains
+    # resumed on two ranks with one more β: the five finished runs are skipped, only β 0.3 trains
     args = [a for k, v in vars(replace(cfg, betas="0.1,0.3")).items() if not isinstance(v, bool) for a in (f"--{k}", str(v))]
     p = run_torchrun("compare.py", args + ["--no-costs"])
-    assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 3
-    assert "[3/4] dpo-beta0.3: dpo.main" in p.stdout
+    assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 5
+    assert "[4/7] dpo-beta0.3-seed1: dpo.main" in p.stdout
     with open(root / "out" / "frontier.csv") as f:
-        assert [r["run"] for r in csv.DictReader(f)] == ["ref", "dpo-beta0.1", "dpo-beta0.3", "ppo-kl0.05"]
+        assert [r["run"] for r in csv.DictReader(f)] == ["ref", "dpo-beta0.1-seed1", "dpo-beta0.1-seed1001",
+                                                        "dpo-beta0.3-seed1", "dpo-beta0.3-seed1001",
+                                                        "ppo-kl0.05-seed1", "ppo-kl0.05-seed1001"]
 
 
 # ===========================================================================================
