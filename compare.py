@@ -67,6 +67,8 @@ class Config:
     seeds: str = "1337,2337,3337"
     dpo_steps: int = dpo.Config.steps  # optimizer steps of each DPO run
     ppo_iterations: int = ppo.Config.iterations  # iterations of each PPO run
+    dpo_lr: float = dpo.Config.lr  # every DPO run's peak learning rate
+    ppo_lr: float = ppo.Config.lr  # every PPO run's peak learning rate
     eval_k: int = dpo.Config.eval_k  # completions per held-out prompt, every run and π_ref alike
     match_kls: str = "1,2,3"  # KL values (nats) at which the methods are compared, interpolated
     curve_beta: float = 0.3  # DPO's learning curve: the first seed's run at this β (one of betas)
@@ -139,13 +141,14 @@ def sweep(cfg):
     runs = [(f"dpo-beta{b:g}-seed{s}", dpo, dpo.Config(
         out_dir=o(f"dpo-beta{b:g}-seed{s}"), ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
         val_pairs=t("pairs_val.jsonl"), eval_prompts=t("prompts_eval.jsonl"),
-        ref_logps=cfg.ref_logps, beta=b, steps=cfg.dpo_steps, eval_k=cfg.eval_k, seed=s))
+        ref_logps=cfg.ref_logps, beta=b, steps=cfg.dpo_steps, lr=cfg.dpo_lr, eval_k=cfg.eval_k,
+        seed=s))
         for b in floats(cfg.betas) for s in seeds]
     for rw, coefs, tag in (("model", cfg.kl_coefs, "ppo"), ("true", cfg.true_kl_coefs, "ppo-true")):
         runs += [(f"{tag}-kl{k:g}-seed{s}", ppo, ppo.Config(
             out_dir=o(f"{tag}-kl{k:g}-seed{s}"), sft=cfg.sft, reward_model=cfg.reward_model,
             prompts=t("prompts_train.jsonl"), eval_prompts=t("prompts_eval.jsonl"), reward=rw,
-            kl_coef=k, iterations=cfg.ppo_iterations, eval_k=cfg.eval_k, seed=s))
+            kl_coef=k, iterations=cfg.ppo_iterations, lr=cfg.ppo_lr, eval_k=cfg.eval_k, seed=s))
             for k in floats(coefs) for s in seeds]
     return runs
 
