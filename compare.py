@@ -40,16 +40,17 @@ import torch
 import costs
 import data
 import dpo
+import online_dpo
 import ppo
 import precompute
 import reward
 import sft
 from costs import table
-from evaluate import evaluate_policy
+from evaluate import evaluate_policy, task_pool_best
 from model import load_model
 from plumbing import (atomic_write_json, atomic_write_text, barrier, check, checkpoint_state,
                       fmt_duration, init_distributed, load_checkpoint, main_decides, parse_config,
-                      require_stage, teardown)
+                      require_stage, sha256, teardown)
 
 
 @dataclass
@@ -62,11 +63,17 @@ class Config:
     betas: str = "0.1,0.3,1,3"  # DPO runs: one per β, comma-separated
     kl_coefs: str = "0.03,0.1,0.3,1"  # PPO runs with r_φ: one per KL coefficient
     true_kl_coefs: str = "0.1"  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
+    online_betas: str = ""  # online DPO runs (online_dpo.py, r_φ labels): one per β ("" = none)
+    # task regimes (data.REGIMES), each a frontier of its own: its task beside --task (out/task:
+    # out/task-capped, as data.task_dir), its π_ref (the default's when its texts are), r_φ, cache
+    # and runs in out_dir/<regime>
+    regimes: str = "default"  # comma-separated, of default, capped, shifted
     # training seeds, each setting once per seed: data order, sampling (π_ref, r_φ, cache shared).
     # Spaced apart: data.global_batch orders epoch e with seed + e, so seeds 1 apart share epochs
     seeds: str = "1337,2337,3337"
     dpo_steps: int = dpo.Config.steps  # optimizer steps of each DPO run
     ppo_iterations: int = ppo.Config.iterations  # iterations of each PPO run
+    online_iterations: int = online_dpo.Config.iterations  # rounds of each online DPO run
     dpo_lr: float = dpo.Config.lr  # every DPO run's peak learning rate
     ppo_lr: float = ppo.Config.lr  # every PPO run's peak learning rate
     eval_k: int = dpo.Config.eval_k  # completions per held-out prompt, every run and π_ref alike
@@ -133,20 +140,75 @@ def seed_list(cfg):
     return [int(s) for s in cfg.seeds.split(",") if s.strip()]
 
 
-def sweep(cfg):
-    """The runs: (name, stage, its Config), every setting once per seed, all from the same π_ref,
-    pairs, r_φ, cache and prompts."""
-    t, o = (lambda f: os.path.join(cfg.task, f)), (lambda name: os.path.join(cfg.out_dir, name))
-    seeds = seed_list(cfg)
-    runs = [(f"dpo-beta{b:g}-seed{s}", dpo, dpo.Config(
-        out_dir=o(f"dpo-beta{b:g}-seed{s}"), ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
+def regimes(cfg):
+    """Each regime's inputs: its task, π_ref, r_φ and reference cache, and the prefix of its runs'
+    names (folders under out_dir). The default regime's are the flags'; another regime's task is
+    --task's name + -<regime>, and its π_ref the default's when its texts are (capped), else its
+    own (shifted: the generator differs)."""
+    out = []
+    for r in [r.strip() for r in cfg.regimes.split(",") if r.strip()]:
+        data.check_regime(r)
+        if r == "default":
+            out.append(dict(regime=r, prefix="", task=cfg.task, sft=cfg.sft,
+                            reward_model=cfg.reward_model, ref_logps=cfg.ref_logps))
+            continue
+        task, base = f"{cfg.task.rstrip('/')}-{r}", os.path.join(cfg.out_dir, r)
+        out.append(dict(regime=r, prefix=f"{r}/", task=task, own_sft=f"{base}/sft/model.safetensors",
+                        sft=None, reward_model=f"{base}/reward/model.safetensors",
+                        ref_logps=f"{base}/ref_logps"))
+    check(out and len({R["regime"] for R in out}) == len(out),
+          f"--regimes {cfg.regimes!r}: give one or more distinct regimes")
+    return out
+
+
+def build_regime(R, cfg, d, say):
+    """A regime's earlier stages, each built when missing, with the stages' defaults but for its
+    paths: the task, π_ref (unless its texts are the default's), r_φ on its pairs, the cache."""
+    if R["regime"] == "default":
+        return
+    t = lambda f: os.path.join(R["task"], f)  # noqa: E731
+    if d.is_main:
+        data.ensure_task(R["task"], regime=R["regime"], log=say)
+    barrier(d)
+    same_text = sha256(t("sft_train.txt")) == sha256(os.path.join(cfg.task, "sft_train.txt"))
+    R["sft"] = cfg.sft if same_text else R["own_sft"]
+    stages = [(R["sft"], lambda: sft.main(sft.Config(
+                  out_dir=os.path.dirname(R["sft"]), train_text=t("sft_train.txt"),
+                  val_text=t("sft_val.txt"), tokenizer=t("tokenizer.json")))),
+              (R["reward_model"], lambda: reward.main(reward.Config(
+                  out_dir=os.path.dirname(R["reward_model"]), sft=R["sft"],
+                  train_pairs=t("pairs_train.jsonl"), val_pairs=t("pairs_val.jsonl"),
+                  prompts=t("prompts_train.jsonl")))),
+              (f"{R['ref_logps']}/train.safetensors", lambda: precompute.main(precompute.Config(
+                  out_dir=R["ref_logps"], ref_model=R["sft"], train_pairs=t("pairs_train.jsonl"),
+                  val_pairs=t("pairs_val.jsonl"))))]
+    for path, build in stages:
+        if not main_decides(os.path.exists(path), d):
+            say(f"[{R['regime']}] {path} is missing: building it")
+            build()
+            barrier(d)
+
+
+def sweep(cfg, R):
+    """A regime's runs: (name, stage, its Config), every setting once per seed, all from the same
+    π_ref, pairs, r_φ, cache and prompts."""
+    t = lambda f: os.path.join(R["task"], f)  # noqa: E731
+    seeds, p = seed_list(cfg), R["prefix"]
+    o = lambda name: os.path.join(cfg.out_dir, p + name)  # noqa: E731
+    runs = [(f"{p}dpo-beta{b:g}-seed{s}", dpo, dpo.Config(
+        out_dir=o(f"dpo-beta{b:g}-seed{s}"), ref_model=R["sft"], train_pairs=t("pairs_train.jsonl"),
         val_pairs=t("pairs_val.jsonl"), eval_prompts=t("prompts_eval.jsonl"),
-        ref_logps=cfg.ref_logps, beta=b, steps=cfg.dpo_steps, lr=cfg.dpo_lr, eval_k=cfg.eval_k,
+        ref_logps=R["ref_logps"], beta=b, steps=cfg.dpo_steps, lr=cfg.dpo_lr, eval_k=cfg.eval_k,
         seed=s))
         for b in floats(cfg.betas) for s in seeds]
+    runs += [(f"{p}online-beta{b:g}-seed{s}", online_dpo, online_dpo.Config(
+        out_dir=o(f"online-beta{b:g}-seed{s}"), sft=R["sft"], reward_model=R["reward_model"],
+        prompts=t("prompts_train.jsonl"), eval_prompts=t("prompts_eval.jsonl"), beta=b,
+        iterations=cfg.online_iterations, lr=cfg.dpo_lr, eval_k=cfg.eval_k, seed=s))
+        for b in floats(cfg.online_betas) for s in seeds]
     for rw, coefs, tag in (("model", cfg.kl_coefs, "ppo"), ("true", cfg.true_kl_coefs, "ppo-true")):
-        runs += [(f"{tag}-kl{k:g}-seed{s}", ppo, ppo.Config(
-            out_dir=o(f"{tag}-kl{k:g}-seed{s}"), sft=cfg.sft, reward_model=cfg.reward_model,
+        runs += [(f"{p}{tag}-kl{k:g}-seed{s}", ppo, ppo.Config(
+            out_dir=o(f"{tag}-kl{k:g}-seed{s}"), sft=R["sft"], reward_model=R["reward_model"],
             prompts=t("prompts_train.jsonl"), eval_prompts=t("prompts_eval.jsonl"), reward=rw,
             kl_coef=k, iterations=cfg.ppo_iterations, lr=cfg.ppo_lr, eval_k=cfg.eval_k, seed=s))
             for k in floats(coefs) for s in seeds]
@@ -155,27 +217,29 @@ def sweep(cfg):
 
 def method_of(stage, c):
     return "π_ref" if stage is None else "DPO" if stage is dpo else \
-        "PPO" if c.reward == "model" else "PPO-GT"
+        "online DPO" if stage is online_dpo else "PPO" if c.reward == "model" else "PPO-GT"
 
 
 def is_curve(cfg, stage, c):
-    """Whether this run is one of the two drawn as a learning curve."""
-    return cfg.curve_points > 0 and stage is not None and c.seed == seed_list(cfg)[0] and (
+    """Whether this run is one of the two drawn as a learning curve (default regime only)."""
+    return cfg.curve_points > 0 and stage in (dpo, ppo) and c.seed == seed_list(cfg)[0] and (
+        os.path.dirname(c.out_dir) == os.path.normpath(cfg.out_dir)) and (
         c.beta == cfg.curve_beta if stage is dpo else
         c.reward == "model" and c.kl_coef == cfg.curve_kl_coef)
 
 
-def evaluate_reference(cfg, d):
+def evaluate_reference(R, cfg, d):
     """π_ref against a second copy of itself through the same evaluation: the frontier's origin (KL
     0; win rate 1/2 up to sampling error), and every learning curve's step 0."""
-    tok = data.load_tokenizer(precompute.tokenizer_path(cfg.sft))
-    ref, ref2 = load_model(cfg.sft, d.device)[0], load_model(cfg.sft, d.device)[0]
-    prompts = data.read_prompts(os.path.join(cfg.task, "prompts_eval.jsonl"))
-    res = evaluate_policy(ref, ref2, tok, prompts, d, k=cfg.eval_k)
-    check("true_reward" in res, f"{prompts}: no true reward; the frontier needs the built-in "
+    tok = data.load_tokenizer(precompute.tokenizer_path(R["sft"]))
+    ref, ref2 = load_model(R["sft"], d.device)[0], load_model(R["sft"], d.device)[0]
+    path = os.path.join(R["task"], "prompts_eval.jsonl")
+    res = evaluate_policy(ref, ref2, tok, data.read_prompts(path), d, k=cfg.eval_k,
+                          pool_best=task_pool_best(path))
+    check("true_reward" in res, f"{path}: no true reward; the frontier needs the built-in "
           "task's prompts, the only ones evaluate.py scores with its hidden reward")
     if d.is_main:
-        atomic_write_json(os.path.join(cfg.out_dir, "ref", "eval.json"), res)
+        atomic_write_json(os.path.join(cfg.out_dir, R["prefix"] + "ref", "eval.json"), res)
 
 
 # -----------------------------------------------------------------------------
@@ -191,7 +255,8 @@ def evaluate_checkpoint(stage, c, d):
     # the checkpoint names the policy "model" in dpo.py, "policy" in ppo.py (beside its critic)
     name = "model" if stage is dpo else "policy"
     load_checkpoint(os.path.join(c.out_dir, "ckpt"), {name: policy}, d.device)
-    return evaluate_policy(policy, ref, tok, data.read_prompts(c.eval_prompts), d, k=c.eval_k)
+    return evaluate_policy(policy, ref, tok, data.read_prompts(c.eval_prompts), d, k=c.eval_k,
+                           pool_best=task_pool_best(c.eval_prompts))
 
 
 def train_in_chunks(stage, c, points, d, resume):
@@ -243,40 +308,45 @@ def curve_rows(name, stage, c, ref_ev, points):
 # Running the sweep
 
 
-EV_FIELDS = ("kl", "true_reward", "win_rate", "eos_rate", "response_len", "true_reward_finished")
+EV_FIELDS = ("kl", "true_reward", "win_rate", "eos_rate", "response_len", "true_reward_finished",
+             "beyond_pool")
 
 
 def ev_fields(ev):
-    """The evaluation's numbers a table shows. eos_rate, response_len and true_reward_finished are
-    None where an older evaluate.py did not write them."""
+    """The evaluation's numbers a table shows. eos_rate, response_len, true_reward_finished and
+    beyond_pool are None where an older evaluate.py did not write them."""
     return {**{k: ev.get(k) for k in EV_FIELDS},
             "true_reward_se": ev["true_reward_std"] / ev["n_completions"] ** 0.5,  # sampling only
             "n_completions": ev["n_completions"],
             **{f"ref_{k}": ev.get(f"ref_{k}") for k in EV_FIELDS[1:] if k != "win_rate"}}
 
 
-def frontier(cfg, d, say):
-    """Train every run not already done (the curve runs in chunks); then, on rank 0, one row per
-    run from its eval.json, and the learning curves' rows."""
+def frontier(cfg, Rs, d, say):
+    """Train every run of every regime in Rs not already done (the curve runs in chunks); then, on
+    rank 0, one row per run from its eval.json, and the learning curves' rows."""
     check(cfg.curve_points == 0 or (cfg.curve_beta in floats(cfg.betas)
                                     and cfg.curve_kl_coef in floats(cfg.kl_coefs)),
           f"--curve_beta {cfg.curve_beta:g} must be one of --betas and --curve_kl_coef "
           f"{cfg.curve_kl_coef:g} one of --kl_coefs (or --curve_points 0)")
     check(len(seed_list(cfg)) == len(set(seed_list(cfg))) > 0,
           f"--seeds {cfg.seeds!r}: give one or more distinct seeds")
-    sha = {p: precompute.sha256(p) for p in (cfg.sft, cfg.reward_model)}
-    prompts = os.path.join(cfg.task, "prompts_eval.jsonl")
-    todo = [("ref", None, {"k": cfg.eval_k, "prompts": prompts})] + sweep(cfg)
+    sha = {p: sha256(p) for R in Rs for p in (R["sft"], R["reward_model"])}
+    todo = []
+    for R in Rs:
+        prompts = os.path.join(R["task"], "prompts_eval.jsonl")
+        todo += [(R["prefix"] + "ref", None, {"k": cfg.eval_k, "prompts": prompts}, R)]
+        todo += [(*run, R) for run in sweep(cfg, R)]
     t0, trained, spent = time.time(), 0, 0.0
-    for i, (name, stage, c) in enumerate(todo):
+    for i, (name, stage, c, R) in enumerate(todo):
         # run.json: what the run was made from (its config, π_ref's and r_φ's sha256, whether it
         # is a learning curve) and whether it finished
-        out, uses_rm = os.path.join(cfg.out_dir, name), stage is ppo and c.reward == "model"
+        out = os.path.join(cfg.out_dir, name)
+        uses_rm = stage in (ppo, online_dpo) and c.reward == "model"
         curve = is_curve(cfg, stage, c)
         rec = {"stage": stage.__name__ if stage else "evaluate",
                "config": asdict(c) if stage else c,
-               "sft_sha256": sha[cfg.sft],
-               **({"reward_model_sha256": sha[cfg.reward_model]} if uses_rm else {}),
+               "sft_sha256": sha[R["sft"]],
+               **({"reward_model_sha256": sha[R["reward_model"]]} if uses_rm else {}),
                **({"curve_points": cfg.curve_points} if curve else {})}
         saved = json.loads(Path(out, "run.json").read_text()) if os.path.exists(f"{out}/run.json") \
             else {}
@@ -289,6 +359,8 @@ def frontier(cfg, d, say):
         resume = main_decides(saved.get("run") == rec, d)
         what = ("π_ref against itself" if stage is None else
                 f"dpo.main, β {c.beta:g}, {c.steps} steps, seed {c.seed}" if stage is dpo else
+                f"online_dpo.main, β {c.beta:g}, {c.iterations} rounds, seed {c.seed}"
+                if stage is online_dpo else
                 f"ppo.main, {'r_φ' if uses_rm else 'the true reward'}, KL coef {c.kl_coef:g}, "
                 f"{c.iterations} iterations, seed {c.seed}")
         what += f", in {cfg.curve_points} chunks (learning curve)" if curve else ""
@@ -300,7 +372,7 @@ def frontier(cfg, d, say):
         barrier(d)
         t1 = time.time()
         if stage is None:
-            evaluate_reference(cfg, d)
+            evaluate_reference(R, cfg, d)
         elif curve:
             train_in_chunks(stage, c, cfg.curve_points, d, resume)
         else:
@@ -315,10 +387,10 @@ def frontier(cfg, d, say):
             + (f", about {fmt_duration(spent / trained * left)} to go" if left and trained else ""))
     rows, curves = [], []
     read = lambda name, f: json.loads(Path(cfg.out_dir, name, f).read_text())  # noqa: E731
-    for name, stage, c in todo if d.is_main else ():
+    for name, stage, c, R in todo if d.is_main else ():
         ev, run = read(name, "eval.json"), read(name, "run.json")
-        rows.append(dict(run=name, method=method_of(stage, c),
-                         beta=c.beta if stage is dpo else "",
+        rows.append(dict(run=name, regime=R["regime"], method=method_of(stage, c),
+                         beta=c.beta if stage in (dpo, online_dpo) else "",
                          kl_coef=c.kl_coef if stage is ppo else "",
                          seed=c.seed if stage else "", **ev_fields(ev), wall_s=run.get("wall_s")))
         if is_curve(cfg, stage, c):
@@ -342,28 +414,42 @@ def settings(rows):
     """The runs grouped by (method, β or KL coef), in sweep order: {key: [row per seed]}."""
     groups = {}
     for r in rows:
-        groups.setdefault((r["method"], r["beta"] if r["method"] == "DPO" else r["kl_coef"]),
-                          []).append(r)
+        setting = r["beta"] if r["method"] in ("DPO", "online DPO") else r["kl_coef"]
+        groups.setdefault((r["method"], setting), []).append(r)
     return groups
 
 
+def regime_title(regime, cfg):
+    """'' for a sweep of the default regime alone; else the regime and its rule (data.REGIMES)."""
+    if cfg.regimes.strip() == "default":
+        return ""
+    return f" (regime {regime}: {data.REGIMES[regime]})"
+
+
 def frontier_markdown(rows, cfg):
+    """One regime's frontier table (rows: its runs, π_ref's first)."""
     groups = settings(rows)
     stat = lambda rs, k: mean_se([r[k] for r in rs])  # noqa: E731
+    beyond = any(r["beyond_pool"] is not None for r in rows)
     body = []
     for (method, setting), rs in groups.items():
         seeds = "–" if method == "π_ref" else len(rs)
         body.append([method, setting, seeds, pm(*stat(rs, "kl"), ".3f"),
                      pm(*stat(rs, "true_reward")), pm(*stat(rs, "win_rate"), ".3f"),
                      pm(*stat(rs, "eos_rate"), ".3f"), pm(*stat(rs, "response_len"), ".1f"),
-                     pm(*stat(rs, "true_reward_finished")),
-                     fmt_duration(sum(r["wall_s"] or 0 for r in rs) / len(rs))])
+                     pm(*stat(rs, "true_reward_finished"))]
+                    + ([pm(*stat(rs, "beyond_pool"), ".3f")] if beyond else [])
+                    + [fmt_duration(sum(r["wall_s"] or 0 for r in rs) / len(rs))])
     ref = rows[0]
     md = table(["method", "β / KL coef", "seeds", "KL(π‖π_ref) nats", "true reward",
-                "win rate vs π_ref", "EOS rate", "response tokens", "reward if finished",
-                "wall per run"], body)
-    return ("## The frontier: true reward against KL(π‖π_ref), as Figure 2 of the DPO paper\n\n"
-            f"{md}\n\nEvery setting trained once per seed ({cfg.seeds}: the stages' `seed`, "
+                "win rate vs π_ref", "EOS rate", "response tokens", "reward if finished"]
+               + (["beyond pool best"] if beyond else []) + ["wall per run"], body)
+    pool = (f"Beyond pool best: the share of completions whose true reward exceeds "
+            f"{ref['pool_best']:+g}, the best of any response in the training pairs (behaviour "
+            "the pairs never showed). " if beyond else "")
+    return (f"## The frontier{regime_title(ref['regime'], cfg)}: true reward against "
+            "KL(π‖π_ref), as Figure 2 of the DPO paper\n\n"
+            f"{md}\n\n{pool}Every setting trained once per seed ({cfg.seeds}: the stages' `seed`, "
             "data order and sampling; π_ref, r_φ and the reference cache shared). Each cell: mean "
             "over the seeds ± standard error across seeds (n − 1 in the variance), so the ± holds "
             "training and evaluation noise together; frontier.csv keeps one row per seed. Each "
@@ -383,9 +469,9 @@ def frontier_markdown(rows, cfg):
 
 
 def matched_kl_markdown(rows, cfg):
-    """The methods at --match_kls, each read off its mean curve (at_kl)."""
+    """One regime's methods at --match_kls, each read off its mean curve (at_kl)."""
     groups = settings(rows)
-    methods = [m for m in ("DPO", "PPO", "PPO-GT") if any(k[0] == m for k in groups)]
+    methods = [m for m in ("DPO", "online DPO", "PPO", "PPO-GT") if any(k[0] == m for k in groups)]
     curve = {m: [[(r["kl"], r["true_reward"]) for r in rs] for (g, _), rs in groups.items()
                  if g == m] for m in methods}
     body = []
@@ -398,7 +484,8 @@ def matched_kl_markdown(rows, cfg):
     kl = {m: [mean_se([k for k, _ in s])[0] for s in curve[m]] for m in methods}
     ranges = "; ".join(f"{m} {min(kl[m]):.2f} to {max(kl[m]):.2f}" for m in methods)
     md = table(["KL(π‖π_ref) nats"] + [f"{m} true reward" for m in methods] + ["DPO − PPO"], body)
-    return (f"## At matched KL: true reward read off each method's frontier\n\n{md}\n\nEach "
+    return (f"## At matched KL{regime_title(rows[0]['regime'], cfg)}: true reward read off each "
+            f"method's frontier\n\n{md}\n\nEach "
             "method's mean curve (its settings' mean points over seeds, joined in order of KL) "
             "read linearly between the two settings that bracket the KL. ± is the standard error "
             "by the delta method: the bracketing settings' per-seed values of (reward − slope × "
@@ -434,7 +521,12 @@ def write_tables(rows, curves, cfg):
     """frontier.csv, curves.csv, frontier.md and, if matplotlib is installed, frontier.png and
     curves.png; returns the markdown."""
     write_csv(f"{cfg.out_dir}/frontier.csv", rows)
-    parts = [frontier_markdown(rows, cfg), matched_kl_markdown(rows, cfg)]
+    by_regime = {}
+    for r in rows:
+        by_regime.setdefault(r["regime"], []).append(r)
+    parts = [f(rs, cfg) for rs in by_regime.values()
+             for f in (frontier_markdown, matched_kl_markdown)]
+    rows = next(iter(by_regime.values()))  # the plot: the first regime's frontier
     if curves:
         write_csv(f"{cfg.out_dir}/curves.csv", curves)
         parts.append(curves_markdown(curves, cfg))
@@ -490,6 +582,7 @@ def main(cfg):
     check(cfg.time_steps >= 2,
           "--time_steps must be >= 2: the first step of a timed run warms up and is dropped")
     t0, t = time.time(), lambda f: os.path.join(cfg.task, f)
+    Rs = regimes(cfg)
     # the earlier stages, shared by every run: built once, with their defaults, when missing
     for f in ("pairs_train.jsonl", "pairs_val.jsonl", "prompts_train.jsonl", "prompts_eval.jsonl"):
         require_stage(t(f), os.path.join(Config.task, f), lambda: sft.build_task(d),
@@ -506,7 +599,9 @@ def main(cfg):
                       precompute.command(pc), d, say)
     os.makedirs(cfg.out_dir, exist_ok=True)
     if cfg.frontier:
-        rows, curves = frontier(cfg, d, say)
+        for R in Rs:  # another regime's own task, π_ref, r_φ and cache
+            build_regime(R, cfg, d, say)
+        rows, curves = frontier(cfg, Rs, d, say)
         if d.is_main:
             say(write_tables(rows, curves, cfg) + f"\nwrote {cfg.out_dir}/frontier.csv, "
                 "curves.csv and frontier.md")

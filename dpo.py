@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import data
 import precompute
 import sft
-from evaluate import evaluate_policy, print_samples, summary
+from evaluate import evaluate_policy, print_samples, summary, task_pool_best
 from model import (anatomy, estimate_flops, format_anatomy, freeze, load_model, matmul_shapes,
                    model_flops, save_model)
 from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
@@ -332,7 +332,7 @@ def main(cfg):
     # frozen copy may hold bf16 weights, which run only under autocast; sampling runs without).
     ref_eval = load_model(cfg.ref_model, d.device)[0]
     ev = evaluate_policy(raw_model, ref_eval, tok, data.read_prompts(cfg.eval_prompts), d,
-                         k=cfg.eval_k)
+                         k=cfg.eval_k, pool_best=task_pool_best(cfg.eval_prompts))
     if d.is_main:
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "dpo", "step": cfg.steps, "ref_model": cfg.ref_model,

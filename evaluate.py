@@ -44,6 +44,15 @@ def task_prompts(prompts):
     return all(math.isfinite(data.text_logprob(f"{p} {p}")) for p in set(prompts))
 
 
+def task_pool_best(prompts_path):
+    """The best behaviour the built-in task's pair pool shows (data.pool_best of pairs_train.jsonl
+    beside task.json), when prompts_path is in a built-in task's folder; else None."""
+    folder = os.path.dirname(prompts_path)
+    if not os.path.exists(os.path.join(folder, "task.json")):
+        return None
+    return data.pool_best(data.read_pairs(os.path.join(folder, "pairs_train.jsonl")))
+
+
 @torch.no_grad()
 def completion_logps(model, out):
     """Summed log-probs (B,) of generate()'s response tokens under `model`: the logits at column t−1
@@ -55,9 +64,11 @@ def completion_logps(model, out):
 
 @torch.no_grad()
 def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_samples=3,
-                    missing_eos_score=MISSING_EOS_SCORE):
+                    missing_eos_score=MISSING_EOS_SCORE, pool_best=None):
     """Sample, score and compare on `prompts` (a list of strings), sharded over ranks. Returns the
-    DESIGN.md eval fields; `samples` holds the first few prompts with both models' completions."""
+    DESIGN.md eval fields; `samples` holds the first few prompts with both models' completions.
+    pool_best (task_pool_best): also the share of completions scored above it, "beyond_pool":
+    behaviour the training pairs never showed (data.fraction_beyond)."""
     was_training = policy.training
     policy.eval(), ref.eval()
     block = policy.config.block_size
@@ -89,7 +100,8 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
             score = torch.where(ended, r, missing_eos_score)  # PPO's rule, for every model
             new |= {side + "eos": ended.sum(), side + "len": o["response_mask"].sum(),
                     side + "score": score.sum(), side + "score2": (score * score).sum(),
-                    side + "finished": torch.where(ended, r, 0.0).sum()}
+                    side + "finished": torch.where(ended, r, 0.0).sum(),
+                    side + "beyond": (score > (math.inf if pool_best is None else pool_best)).sum()}
             sides.append((texts, ended, score))
         (texts, ended, score), (ref_texts, ref_ended, ref_score) = sides
         new["wins"] = ((score > ref_score).double() + 0.5 * (score == ref_score).double()).sum()
@@ -115,6 +127,9 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
                 "ref_true_reward": s["ref_score"] / n, "ref_true_reward_std": std("ref_"),
                 "win_rate": s["wins"] / n, "true_reward_finished": finished(""),
                 "ref_true_reward_finished": finished("ref_")}
+        if pool_best is not None:
+            res |= {"pool_best": pool_best, "beyond_pool": s["beyond"] / n,
+                    "ref_beyond_pool": s["ref_beyond"] / n}
     else:
         res["true_reward_omitted"] = ("the prompts are not the built-in task's (its generator "
                                       "cannot write them): its hidden reward means nothing there")
@@ -166,7 +181,8 @@ def main(cfg):
     policy, _ = load_model(cfg.policy, d.device)
     ref, _ = load_model(cfg.ref, d.device)
     res = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.prompts), d, k=cfg.k,
-                          seed=cfg.seed, missing_eos_score=cfg.missing_eos_score)
+                          seed=cfg.seed, missing_eos_score=cfg.missing_eos_score,
+                          pool_best=task_pool_best(cfg.prompts))
     if d.is_main:
         print_samples(res, print)
         print(summary(res))

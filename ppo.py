@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import data
 import reward
 import sft
-from evaluate import evaluate_policy, print_samples, summary
+from evaluate import evaluate_policy, print_samples, summary, task_pool_best
 from model import (anatomy, estimate_flops, format_anatomy, freeze, generate, generate_flops,
                    matmul_shapes, model_flops, save_model, sequence_logprobs)
 from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, clock,
@@ -509,7 +509,8 @@ def main(cfg):
     # autocast, and sampling runs without
     ref = reward.load_trunk(cfg.sft, "lm", d.device)[0]
     ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
-                         missing_eos_score=cfg.missing_eos_score)
+                         missing_eos_score=cfg.missing_eos_score,
+                         pool_best=task_pool_best(cfg.eval_prompts))
     if d.is_main:
         if timed > 0:
             log.print("share of an iteration: "

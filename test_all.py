@@ -2179,6 +2179,41 @@ def test_reference_against_itself_kl_zero_win_rate_half(tiny):  # noqa: F811
     assert abs(res["win_rate"] - 0.5) <= 4 * 0.5 / math.sqrt(n)
 
 
+def test_beyond_pool_is_the_share_of_completions_above_the_pools_best(tiny):  # noqa: F811
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    ref, ref2 = (load_model(f"{tiny.sft}/model.safetensors")[0] for _ in range(2))
+    prompts = data.read_prompts(f"{tiny.task}/prompts_eval.jsonl")[:40]
+    path = f"{tiny.task}/prompts_eval.jsonl"
+    best = evaluate.task_pool_best(path)  # the tiny task's folder holds task.json
+    assert best == data.pool_best(data.read_pairs(f"{tiny.task}/pairs_train.jsonl"))
+    assert evaluate.task_pool_best(str(tiny.root / "elsewhere" / "p.jsonl")) is None
+    # a threshold inside the rewards' range, so that the share is neither 0 nor 1; with k = 1 the
+    # samples hold every completion and its score: count them independently of the sums
+    for t in (0.0, 1.0):
+        res = evaluate_policy(ref, ref2, tok, prompts, init_distributed(), k=1, n_samples=40,
+                              pool_best=t)
+        assert len(res["samples"]) == res["n_completions"] == 40
+        for side in ("policy", "ref"):
+            share = data.fraction_beyond([s[f"{side}_reward"] for s in res["samples"]], t)
+            got = res["beyond_pool" if side == "policy" else "ref_beyond_pool"]
+            assert 0 < share < 1 and got == pytest.approx(share, abs=1e-12), (t, side)
+    assert "beyond_pool" not in evaluate_policy(ref, ref2, tok, prompts[:2], init_distributed(),
+                                                k=1)
+
+
+def test_compare_regimes_paths_and_a_bad_regime(tmp_path):
+    cfg = compare.Config(out_dir=str(tmp_path / "cmp"), task=str(tmp_path / "task"),
+                         regimes="default,capped")
+    d, c = compare.regimes(cfg)
+    assert (d["task"], d["sft"], d["prefix"]) == (cfg.task, cfg.sft, "")
+    assert c["task"] == f"{cfg.task}-capped" and c["prefix"] == "capped/"
+    assert c["reward_model"] == f"{cfg.out_dir}/capped/reward/model.safetensors"
+    with pytest.raises(SystemExit, match="not a regime"):
+        compare.regimes(replace(cfg, regimes="default,greedy"))
+    with pytest.raises(SystemExit, match="distinct"):
+        compare.regimes(replace(cfg, regimes="capped,capped"))
+
+
 def constant_gpt(vocab_size, favourite, block_size=64):
     """A GPT whose next-token distribution ignores its input: ln_f's gain is 0, so every position's
     logits are ln_f.bias · wte^T, here coordinate 0 of each token's embedding: +20 for
