@@ -153,8 +153,9 @@ def regimes(cfg):
                             reward_model=cfg.reward_model, ref_logps=cfg.ref_logps))
             continue
         task, base = f"{cfg.task.rstrip('/')}-{r}", os.path.join(cfg.out_dir, r)
-        out.append(dict(regime=r, prefix=f"{r}/", task=task, own_sft=f"{base}/sft/model.safetensors",
-                        sft=None, reward_model=f"{base}/reward/model.safetensors",
+        out.append(dict(regime=r, prefix=f"{r}/", task=task, sft=None,
+                        own_sft=f"{base}/sft/model.safetensors",
+                        reward_model=f"{base}/reward/model.safetensors",
                         ref_logps=f"{base}/ref_logps"))
     check(out and len({R["regime"] for R in out}) == len(out),
           f"--regimes {cfg.regimes!r}: give one or more distinct regimes")
@@ -513,8 +514,8 @@ def curves_markdown(curves, cfg):
             "step, repeats counted); PPO, 1 rollout scored by r_φ per prompt (rollout batch per "
             "iteration), on top of the labelled pairs r_φ was trained on once before. Loop FLOPs: "
             "the loop's model FLOPs as it counted them (model.model_flops of its real tokens, "
-            "padding not counted), cumulative; the one-time precompute (DPO) and r_φ's training (PPO) are in "
-            "the cost tables, not here.")
+            "padding not counted), cumulative; the one-time precompute (DPO) and r_φ's training "
+            "(PPO) are in the cost tables, not here.")
 
 
 def write_tables(rows, curves, cfg):
