@@ -57,7 +57,17 @@ def train_tokenizer(texts, vocab_size=512):
     return Tok(tk)
 
 def load_tokenizer(path):
-    return Tok(Tokenizer.from_file(path))
+    """A tokenizer.json as Tok; a file the tokenizers library cannot read, or one without the EOS
+    token, is a DataError naming it (one line, no traceback)."""
+    try:
+        tk = Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises its own Exception type, with the parser's message
+        raise DataError(f"{path}: not a tokenizer.json the tokenizers library can read "
+                        f"({e})") from None
+    try:
+        return Tok(tk)
+    except ValueError as e:
+        raise DataError(f"{path}: {e}") from None
 
 def save_tokenizer(tok, path):
     _atomic_write(path, tok.tk.to_str(pretty=True))

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import load_file, save
 from tokenizers import Tokenizer, processors
 from torch.utils import flop_counter
 
@@ -379,8 +379,9 @@ def save_model(model, path, meta):
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
           if k != "lm_head.weight"}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    save_file(sd, path + ".tmp",
-              metadata={"config": json.dumps(asdict(model.config)), "meta": json.dumps(meta)})
+    blob = save(sd, metadata={"config": json.dumps(asdict(model.config)), "meta": json.dumps(meta)})
+    with open(path + ".tmp", "wb") as f:  # open(): the mode the umask gives (save_file's is 0600)
+        f.write(blob)
     os.replace(path + ".tmp", path)
 
 

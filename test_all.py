@@ -574,8 +574,11 @@ def test_tokenizer_round_trip_and_specials(tmp_path):
     tk = Tokenizer(models.BPE())
     tk.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=100))
     tk.save(str(tmp_path / "noeos.json"))
-    with pytest.raises(ValueError, match="endoftext"):
+    with pytest.raises(SystemExit, match="noeos.json: .*endoftext"):
         data.load_tokenizer(str(tmp_path / "noeos.json"))
+    (tmp_path / "garbage.json").write_text("not json")
+    with pytest.raises(SystemExit, match="garbage.json: not a tokenizer.json"):
+        data.load_tokenizer(str(tmp_path / "garbage.json"))
 
 def test_build_task_deterministic_and_schema(task, tmp_path):
     again = str(tmp_path / "again")
