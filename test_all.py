@@ -1148,6 +1148,27 @@ def test_sft_refuses_to_resume_a_different_config(tiny, tmp_path):
         sft.main(sft.Config(**sft_args(tiny, tmp_path, steps=4, lr=0.001)))
 
 
+def test_sft_init_from_takes_the_shape_from_config_json(tmp_path, capsys):
+    # a 4-head GPT-2 folder: sft.py's --n_head (2 here) must not override, nor guess, its heads
+    data.own_data(EXAMPLE, str(tmp_path / "own"), vocab_size=300, log=lambda *a: None)
+    o = lambda name: str(tmp_path / "own" / name)  # noqa: E731
+    tok, src = data.load_tokenizer(o("tokenizer.json")), tmp_path / "hf"
+    export_gpt2(tiny_gpt(vocab_size=tok.vocab_size, block_size=96, n_head=4, n_embd=32).float(),
+                o("tokenizer.json"), str(src))
+    args = dict(out_dir=str(tmp_path / "sft"), train_text=o("sft_train.jsonl"),
+                val_text=o("sft_val.jsonl"), tokenizer=o("tokenizer.json"),
+                init_from=str(src / "model.safetensors"), **{**TINY_MODEL, "block_size": 96},
+                steps=1, batch_size=16, micro_batch_size=16)
+    assert args["n_head"] == 2
+    sft.main(sft.Config(**args))
+    assert "n_layer 2, n_head 4, n_embd 32 (its config.json" in capsys.readouterr().out
+    assert load_model(str(tmp_path / "sft" / "model.safetensors"))[0].config.n_head == 4
+    os.remove(src / "config.json")
+    with pytest.raises(SystemExit, match="no config.json beside it, so its number of heads is "
+                                         "unknown: copy the model's config.json next to it$"):
+        sft.main(sft.Config(**{**args, "out_dir": str(tmp_path / "sft2")}))
+
+
 def test_sft_explicit_missing_input_is_an_error_naming_it(tiny, tmp_path):
     with pytest.raises(SystemExit, match="nope.txt does not exist"):
         sft.main(sft.Config(**{**sft_args(tiny, tmp_path), "train_text": str(tmp_path / "nope.txt")}))
