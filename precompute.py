@@ -119,8 +119,10 @@ def cache_dir(cfg):
             or not same(cfg.out_dir, Config.out_dir)):
         return cfg.out_dir
     files = [cfg.ref_model, tokenizer_path(cfg.ref_model), cfg.train_pairs, cfg.val_pairs]
-    for path in files:
-        check(os.path.exists(path), f"{path} does not exist")
+    for path in files:  # named as require_inputs would name them
+        check(os.path.exists(path), f"{path} does not exist" + (
+            ": π_ref's tokenizer is read from the folder of --ref_model" if path == files[1]
+            else " (it was passed explicitly, so it is not built)"))
     key = json.dumps([sha256(p) for p in files] + [cfg.max_len, cfg.max_prompt_len])
     stem = os.path.splitext(os.path.basename(cfg.train_pairs))[0]
     return os.path.join(cfg.out_dir, f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
