@@ -18,6 +18,7 @@ everything that determines them, so that dpo.py can refuse a stale cache. The co
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -92,17 +93,22 @@ def same(path, default):
 
 
 def check_own_inputs(cfg, more=()):
-    """Your pairs need your π_ref: the built-in one's tokenizer and weights were made for the
-    built-in task's synthetic language, so with --train_pairs your file and --ref_model (or
-    --val_pairs, or `more`: (flag, path, default) triples) left at the built-in task's, the run
-    would train on text its π_ref cannot model, and validate on another task. Stop, and say how
-    to make them from the file: data.py own prints the commands that follow it."""
-    if same(cfg.train_pairs, Config.train_pairs):
+    """Your text needs your π_ref: the built-in one's tokenizer and weights were made for the
+    built-in task's synthetic language. With --train_pairs a file of other text and --ref_model
+    (or --val_pairs, or `more`: (flag, path, default) triples) left at the built-in task's, the run
+    would train on text its π_ref cannot model, and validate on another task: stop, and say how to
+    make them from the file (data.py own prints the commands that follow it). Pairs the task's
+    generator writes (a regime's, e.g. out/task-capped) may use the built-in π_ref."""
+    if same(cfg.train_pairs, Config.train_pairs) or not os.path.exists(cfg.train_pairs):
+        return  # the built-in task, or a missing file, which require_inputs names
+    # evaluate.task_prompts' test: every prompt is whole sentences of the task's language
+    if all(math.isfinite(data.text_logprob(f"{p} {p}"))
+           for p in {r["prompt"] for r in data.read_pairs(cfg.train_pairs)}):
         return
     left = [flag for flag, path, default in [("--ref_model", cfg.ref_model, Config.ref_model),
                                              ("--val_pairs", cfg.val_pairs, Config.val_pairs),
                                              *more] if same(path, default)]
-    check(not left, f"--train_pairs {cfg.train_pairs} is not the built-in task, but "
+    check(not left, f"--train_pairs {cfg.train_pairs} is not the built-in task's text, but "
           f"{', '.join(left)} {'is' if len(left) == 1 else 'are'} still the built-in task's (its "
           "π_ref's tokenizer and weights know only its synthetic language). Make yours from your "
           f"file: python data.py own {cfg.train_pairs} --out out/own, which prints the sft.py and "

@@ -22,6 +22,7 @@ import csv
 import itertools
 import json
 import math
+import random
 import re
 import shutil
 import subprocess
@@ -902,6 +903,11 @@ def test_own_data_path_builds_its_own_cache_and_leaves_the_builtin_one(tmp_path,
                                              r"out/own/pairs_train\.jsonl --out out/own"):
             (dpo if isinstance(cfg, dpo.Config) else precompute).main(cfg)
     assert not os.path.exists("out/sft") and not os.path.exists("out/task")  # nothing built
+    # pairs the task's generator writes (a regime's, e.g. out/task-capped) may use its π_ref
+    rng = random.Random(0)
+    (tmp_path / "capped.jsonl").write_text("".join(json.dumps(data.sample_pair(rng)) + "\n"
+                                                   for _ in range(20)))
+    precompute.check_own_inputs(precompute.Config(train_pairs="capped.jsonl"))
 
 
 def test_tokenize_pairs_truncation_rule(tok):
