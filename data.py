@@ -673,7 +673,25 @@ def own_data(pairs, out_dir, vocab_size=1024, block_size=0, val_frac=0.1, seed=0
         f"max_prompt_len {block // 2}: {st['truncated_prompt']} of {N} prompts and "
         f"{st['truncated_response']} of {N} pairs' responses cut (EOS lost: {lost[0]} chosen, "
         f"{lost[1]} rejected), {st['unusable']} unusable, {sft['truncated']} of {N} SFT texts cut")
+    log("next: π_ref by SFT on prompt + chosen, then DPO (which builds its reference cache):\n" +
+        "\n".join("    " + c for c in own_commands(out_dir, block, len(split["train"]))))
     return block
+
+
+def own_commands(out_dir, block, n_train):
+    """sft.py's and dpo.py's command lines for own_data's folder: the block that fits, and a batch
+    no larger than the train rows (a power of two, so it splits into micro-batches) where sft.py's
+    default 32 texts or dpo.py's 64 pairs would not fit."""
+    o = lambda name: os.path.join(out_dir, name)  # noqa: E731
+    batch = lambda default: (f" --batch_size {2 ** (n_train.bit_length() - 1)}"  # noqa: E731
+                             if n_train < default else "")
+    return [f"python sft.py --train_text {o('sft_train.jsonl')} --val_text {o('sft_val.jsonl')} "
+            f"--tokenizer {o('tokenizer.json')} --block_size {block}{batch(32)} "
+            f"--out_dir {o('sft')}",
+            f"python dpo.py --ref_model {o('sft/model.safetensors')} --train_pairs "
+            f"{o('pairs_train.jsonl')} --val_pairs {o('pairs_val.jsonl')} --eval_prompts "
+            f"{o('prompts_eval.jsonl')} --max_len {block} --max_prompt_len {block // 2}"
+            f"{batch(64)} --out_dir {o('dpo')}"]
 
 if __name__ == "__main__":
     import argparse

@@ -24,7 +24,7 @@ metrics.jsonl, eval.json, ckpt/.
 """
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,7 @@ class Config:
     train_pairs: str = "out/task/pairs_train.jsonl"  # JSONL {"prompt","chosen","rejected"}
     val_pairs: str = "out/task/pairs_val.jsonl"  # held-out pairs for the val loss and accuracy
     eval_prompts: str = "out/task/prompts_eval.jsonl"  # held-out prompts: true reward and KL
-    ref_logps: str = "out/ref_logps"  # precompute.py's cache of log π_ref; built if missing
+    ref_logps: str = "out/ref_logps"  # the log π_ref cache (yours: a subfolder); built if missing
     # "cache": read log π_ref from ref_logps; "live": run π_ref every step (what precompute removes)
     ref: str = "cache"
     loss: str = "sigmoid"  # "sigmoid": DPO, Eq. 7; "ipo": Azar et al. 2023, Eq. 17
@@ -142,15 +142,19 @@ def main(cfg):
           "--label_smoothing applies to the sigmoid loss only")
     check(0 <= cfg.label_smoothing < 0.5 and cfg.beta > 0,
           "need beta > 0 and 0 <= label_smoothing < 0.5")
-    # outputs first: a bad folder stops the run now, not after hours (the cache's if it is built)
-    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
-    caches = [os.path.join(cfg.ref_logps, f"{split}.safetensors") for split in ("train", "val")]
-    build_cache = cfg.ref == "cache" and not all(map(os.path.exists, caches))
-    prepare_outputs({cfg.out_dir: "--out_dir", ckpt_dir: "--out_dir",
-                     **({cfg.ref_logps: "--ref_logps"} if build_cache else {})}, d, log.print)
     pc = precompute.Config(out_dir=cfg.ref_logps, ref_model=cfg.ref_model,
                            train_pairs=cfg.train_pairs, val_pairs=cfg.val_pairs,
                            max_len=cfg.max_len, max_prompt_len=cfg.max_prompt_len)
+    # your pairs need your π_ref, val pairs and prompts; and get a cache folder of their own
+    precompute.check_own_inputs(pc, [("--eval_prompts", cfg.eval_prompts, Config.eval_prompts)])
+    ref_logps = precompute.cache_dir(pc)  # cfg.ref_logps, or out/ref_logps/<your file>-<hash>
+    pc = replace(pc, out_dir=ref_logps)
+    # outputs first: a bad folder stops the run now, not after hours (the cache's if it is built)
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    caches = [os.path.join(ref_logps, f"{split}.safetensors") for split in ("train", "val")]
+    build_cache = cfg.ref == "cache" and not all(map(os.path.exists, caches))
+    prepare_outputs({cfg.out_dir: "--out_dir", ckpt_dir: "--out_dir",
+                     **({ref_logps: "--ref_logps"} if build_cache else {})}, d, log.print)
     precompute.require_inputs(pc, d, log.print)  # π_ref (sft.py) and the pairs (the built-in task)
     require_stage(cfg.eval_prompts, Config.eval_prompts, lambda: sft.build_task(d),
                   "python data.py", d, log.print)
@@ -176,14 +180,15 @@ def main(cfg):
     lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
     ref_train = ref_val = None
     if cfg.ref == "cache":  # the reference's only trace in this job: two fp32 numbers per pair
-        for split, path in zip(("train", "val"), caches):
-            require_stage(path, os.path.join(Config.ref_logps, f"{split}.safetensors"),
+        # with --ref_logps at its default, the cache (the built-in task's, or your pairs' own) is
+        # built when missing; an explicit folder must hold it
+        auto = precompute.same(cfg.ref_logps, Config.ref_logps)
+        for path in caches:
+            require_stage(path, path if auto else Config.ref_logps,
                           lambda: (precompute.main(pc), barrier(d)), precompute.command(pc), d,
                           log.print)
-        ref_train = precompute.load_ref_logps(os.path.join(cfg.ref_logps, "train.safetensors"),
-                                              pc, "train", train, d.device)
-        ref_val = precompute.load_ref_logps(os.path.join(cfg.ref_logps, "val.safetensors"), pc,
-                                            "val", val, d.device)
+        ref_train = precompute.load_ref_logps(caches[0], pc, "train", train, d.device)
+        ref_val = precompute.load_ref_logps(caches[1], pc, "val", val, d.device)
 
     # ==== models resident in the training job
     # The policy starts as π_ref (Sec. 4: π_θ = π_ref at step 0). Eval mode for good: no dropout
@@ -205,7 +210,7 @@ def main(cfg):
     if ref_train is not None:
         mib = (ref_train.numel() + ref_val.numel()) * 4 / 2**20
         log.print(f"reference: no model, a cache of {mib:.3f} MiB (2 fp32 per pair) read from "
-                  f"{cfg.ref_logps}")
+                  f"{ref_logps}")
 
     # ==== optimizer, schedule, resume
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)

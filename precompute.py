@@ -3,6 +3,8 @@
     python precompute.py                       # one process: out/ref_logps/{train,val}.safetensors
     torchrun --nproc_per_node=8 precompute.py  # the pairs sharded over 8 ranks: the same files
     python precompute.py --help                # e.g. --ref_model my/model.safetensors --max_len 128
+    python precompute.py --ref_model R --train_pairs my.jsonl --val_pairs my_val.jsonl
+                                               # your pairs: a folder of their own (cache_dir)
 
 DPO's loss (Eq. 7 of Rafailov et al. 2023) needs log π_ref(y|x) for every chosen and rejected
 response. π_ref is frozen and the pairs are fixed, so these numbers never change during training:
@@ -16,6 +18,7 @@ everything that determines them, so that dpo.py can refuse a stale cache. The co
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +37,7 @@ from plumbing import (Logger, all_reduce_sum, autocast, barrier, check, check_fi
 
 @dataclass
 class Config:
-    out_dir: str = "out/ref_logps"  # writes train.safetensors and val.safetensors here
+    out_dir: str = "out/ref_logps"  # {train,val}.safetensors here; your pairs: a subfolder of it
     ref_model: str = "out/sft/model.safetensors"  # π_ref (+ tokenizer.json); built if missing
     train_pairs: str = "out/task/pairs_train.jsonl"  # JSONL {"prompt","chosen","rejected"}
     val_pairs: str = "out/task/pairs_val.jsonl"  # held-out pairs: dpo.py's val loss and accuracy
@@ -83,6 +86,52 @@ def fingerprint(cfg, split, examples, device):
             "max_prompt_len": cfg.max_prompt_len, "truncation": TRUNCATION, "reduction": REDUCTION,
             "tokens_sha256": ids.hexdigest(), "model_code_sha256": sha256(MODEL_CODE),
             "precision": precision(device), "device": device.type}
+
+
+def same(path, default):
+    return os.path.normpath(path) == os.path.normpath(default)
+
+
+def check_own_inputs(cfg, more=()):
+    """Your text needs your π_ref: the built-in one's tokenizer and weights were made for the
+    built-in task's synthetic language. With --train_pairs a file of other text and --ref_model
+    (or --val_pairs, or `more`: (flag, path, default) triples) left at the built-in task's, the run
+    would train on text its π_ref cannot model, and validate on another task: stop, and say how to
+    make them from the file (data.py own prints the commands that follow it). Pairs the task's
+    generator writes (a regime's, e.g. out/task-capped) may use the built-in π_ref."""
+    if same(cfg.train_pairs, Config.train_pairs) or not os.path.exists(cfg.train_pairs):
+        return  # the built-in task, or a missing file, which require_inputs names
+    # evaluate.task_prompts' test: every prompt is whole sentences of the task's language
+    if all(math.isfinite(data.text_logprob(f"{p} {p}"))
+           for p in {r["prompt"] for r in data.read_pairs(cfg.train_pairs)}):
+        return
+    left = [flag for flag, path, default in [("--ref_model", cfg.ref_model, Config.ref_model),
+                                             ("--val_pairs", cfg.val_pairs, Config.val_pairs),
+                                             *more] if same(path, default)]
+    check(not left, f"--train_pairs {cfg.train_pairs} is not the built-in task's text, but "
+          f"{', '.join(left)} {'is' if len(left) == 1 else 'are'} still the built-in task's (its "
+          "π_ref's tokenizer and weights know only its synthetic language). Make yours from your "
+          f"file: python data.py own {cfg.train_pairs} --out out/own, which prints the sft.py and "
+          "dpo.py commands that follow")
+
+
+def cache_dir(cfg):
+    """The cache's folder. The built-in task's pairs (or an explicit --out_dir) keep cfg.out_dir;
+    other pairs with the default --out_dir get a folder of their own, out/ref_logps/<train file's
+    stem>-<12 hex digits of a hash of π_ref, its tokenizer, both pair files and the lengths>. So a
+    user's file never overwrites the built-in task's cache (nor finds it stale), two files never
+    share one, and changed inputs find their cache missing, which dpo.py builds, not stale."""
+    if (same(cfg.train_pairs, Config.train_pairs) and same(cfg.val_pairs, Config.val_pairs)
+            or not same(cfg.out_dir, Config.out_dir)):
+        return cfg.out_dir
+    files = [cfg.ref_model, tokenizer_path(cfg.ref_model), cfg.train_pairs, cfg.val_pairs]
+    for path in files:  # named as require_inputs would name them
+        check(os.path.exists(path), f"{path} does not exist" + (
+            ": π_ref's tokenizer is read from the folder of --ref_model" if path == files[1]
+            else " (it was passed explicitly, so it is not built)"))
+    key = json.dumps([sha256(p) for p in files] + [cfg.max_len, cfg.max_prompt_len])
+    stem = os.path.splitext(os.path.basename(cfg.train_pairs))[0]
+    return os.path.join(cfg.out_dir, f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
 
 
 def command(cfg):
@@ -195,6 +244,8 @@ def require_inputs(cfg, d, log):
 
 def main(cfg):
     d = init_distributed()
+    check_own_inputs(cfg)
+    cfg = dataclasses.replace(cfg, out_dir=cache_dir(cfg))  # your pairs: a folder of their own
     log = Logger(cfg.out_dir, d).print
     prepare_outputs({cfg.out_dir: "--out_dir"}, d, log)  # before any work
     require_inputs(cfg, d, log)

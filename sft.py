@@ -114,8 +114,16 @@ def main(cfg):
     # ---- model, optimizer, resume
     torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
     if cfg.init_from:
+        # the shape is the file's and its config.json's (n_head: the tensors do not say it), not
+        # --n_layer/--n_head/--n_embd, whose defaults would be a guess
+        check(os.path.exists(os.path.join(os.path.dirname(cfg.init_from), "config.json")),
+              f"{cfg.init_from}: no config.json beside it, so its number of heads is unknown: copy "
+              "the model's config.json next to it")
         raw_model = import_gpt2(cfg.init_from, block_size=cfg.block_size,
                                 vocab_size=tok.vocab_size)
+        c = raw_model.config
+        log.print(f"init from {cfg.init_from}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd "
+                  f"{c.n_embd} (its config.json; --n_layer, --n_head, --n_embd are not used)")
         check(raw_model.config.vocab_size == tok.vocab_size, f"{cfg.init_from} has a vocabulary "
               f"of {raw_model.config.vocab_size}, larger than the tokenizer's {tok.vocab_size}: "
               "the wrong tokenizer?")

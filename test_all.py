@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import math
+import random
 import re
 import shutil
 import statistics
@@ -991,6 +992,61 @@ def test_own_data_on_the_example_file(tmp_path):
             f"responses cut (EOS lost: {lost[0]} chosen, {lost[1]} rejected)") in logs[0]
     assert st["truncated_response"] > 0 and lost[0] != lost[1]  # chosen answers run longer here
 
+def test_own_data_path_builds_its_own_cache_and_leaves_the_builtin_one(tmp_path, monkeypatch,
+                                                                      capsys):
+    """The README's own-data path as data.py own prints it (a tiny model and 2 steps added), run
+    where a zero-argument run left the built-in task's cache: dpo.py builds the cache of your pairs
+    in a folder of its own and leaves the built-in one as it was (bytes and mtime), a second run
+    reuses it, and precompute.py alone on the same inputs writes to that same folder."""
+    monkeypatch.chdir(tmp_path)
+    logs = []
+    block = data.own_data(EXAMPLE, "out/own", vocab_size=512, log=logs.append)
+    sft_cmd, dpo_cmd = data.own_commands("out/own", block, 32)
+    assert sft_cmd in logs[-1] and dpo_cmd in logs[-1]
+    builtin = tmp_path / "out" / "ref_logps"
+    builtin.mkdir(parents=True)
+    for split in ("train", "val"):  # its fingerprint would not match these pairs: stale here
+        precompute.save_ref_logps(str(builtin / f"{split}.safetensors"), torch.zeros(2, 3), {},
+                                  {}, {})
+    files = lambda folder: {f: (f.read_bytes(), f.stat().st_mtime_ns)  # noqa: E731
+                            for f in folder.iterdir() if f.is_file()}
+    before = files(builtin)
+    small = {**TINY_MODEL, "block_size": block}
+    sft.main(replace(plumbing.parse_config(sft.Config, sft_cmd.split()[2:]), **small, steps=2))
+    dcfg = replace(plumbing.parse_config(dpo.Config, dpo_cmd.split()[2:]), steps=2, eval_k=1)
+    pc = precompute.Config(ref_model=dcfg.ref_model, train_pairs=dcfg.train_pairs,
+                           val_pairs=dcfg.val_pairs, max_len=dcfg.max_len,
+                           max_prompt_len=dcfg.max_prompt_len)
+    own = tmp_path / precompute.cache_dir(pc)
+    assert re.fullmatch(r"out/ref_logps/pairs_train-[0-9a-f]{12}", precompute.cache_dir(pc))
+    capsys.readouterr()
+    dpo.main(dcfg)
+    out = capsys.readouterr().out
+    assert f"{precompute.cache_dir(pc)}/train.safetensors is missing: building it now" in out
+    assert files(builtin) == before and sorted(f.name for f in files(own)) == [
+        "train.safetensors", "val.safetensors"]
+    built = files(own)
+    # the same inputs: the same cache, reused (one step is enough to have read it)
+    dpo.main(replace(dcfg, out_dir="out/own/dpo2", stop_after=1))
+    assert "is missing" not in capsys.readouterr().out and files(own) == built
+    precompute.main(pc)  # what `python precompute.py --ref_model ... --train_pairs ...` runs
+    assert files(builtin) == before and files(own).keys() == built.keys()
+    assert all(files(own)[f][1] > built[f][1] for f in built)  # rewritten, in the same place
+    # your pairs with the built-in π_ref (or val pairs, or prompts): the commands that make yours
+    for cfg in (replace(dcfg, ref_model=dpo.Config.ref_model),
+                replace(dcfg, eval_prompts=dpo.Config.eval_prompts),
+                replace(pc, val_pairs=precompute.Config.val_pairs)):
+        with pytest.raises(SystemExit, match=r"still the built-in task's .* python data\.py own "
+                                             r"out/own/pairs_train\.jsonl --out out/own"):
+            (dpo if isinstance(cfg, dpo.Config) else precompute).main(cfg)
+    assert not os.path.exists("out/sft") and not os.path.exists("out/task")  # nothing built
+    # pairs the task's generator writes (a regime's, e.g. out/task-capped) may use its π_ref
+    rng = random.Random(0)
+    (tmp_path / "capped.jsonl").write_text("".join(json.dumps(data.sample_pair(rng)) + "\n"
+                                                   for _ in range(20)))
+    precompute.check_own_inputs(precompute.Config(train_pairs="capped.jsonl"))
+
+
 def test_tokenize_pairs_truncation_rule(tok):
     assert all(len(tok.encode(" " + w)) == 1 for w in "the movie is great . i loved plot it felt".split())
     prompt, short = "the movie is great .", " i loved the plot ."   # 6 tokens with BOS, 6 with EOS
@@ -1233,6 +1289,27 @@ def test_sft_refuses_to_resume_a_different_config(tiny, tmp_path):
     sft.main(sft.Config(**sft_args(tiny, tmp_path, steps=4, stop_after=2)))
     with pytest.raises(SystemExit, match=r"another config \(lr 0.003 -> 0.001\)"):
         sft.main(sft.Config(**sft_args(tiny, tmp_path, steps=4, lr=0.001)))
+
+
+def test_sft_init_from_takes_the_shape_from_config_json(tmp_path, capsys):
+    # a 4-head GPT-2 folder: sft.py's --n_head (2 here) must not override, nor guess, its heads
+    data.own_data(EXAMPLE, str(tmp_path / "own"), vocab_size=300, log=lambda *a: None)
+    o = lambda name: str(tmp_path / "own" / name)  # noqa: E731
+    tok, src = data.load_tokenizer(o("tokenizer.json")), tmp_path / "hf"
+    export_gpt2(tiny_gpt(vocab_size=tok.vocab_size, block_size=96, n_head=4, n_embd=32).float(),
+                o("tokenizer.json"), str(src))
+    args = dict(out_dir=str(tmp_path / "sft"), train_text=o("sft_train.jsonl"),
+                val_text=o("sft_val.jsonl"), tokenizer=o("tokenizer.json"),
+                init_from=str(src / "model.safetensors"), **{**TINY_MODEL, "block_size": 96},
+                steps=1, batch_size=16, micro_batch_size=16)
+    assert args["n_head"] == 2
+    sft.main(sft.Config(**args))
+    assert "n_layer 2, n_head 4, n_embd 32 (its config.json" in capsys.readouterr().out
+    assert load_model(str(tmp_path / "sft" / "model.safetensors"))[0].config.n_head == 4
+    os.remove(src / "config.json")
+    with pytest.raises(SystemExit, match="no config.json beside it, so its number of heads is "
+                                         "unknown: copy the model's config.json next to it$"):
+        sft.main(sft.Config(**{**args, "out_dir": str(tmp_path / "sft2")}))
 
 
 def test_sft_explicit_missing_input_is_an_error_naming_it(tiny, tmp_path):
