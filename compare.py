@@ -318,7 +318,7 @@ def ev_fields(ev):
     beyond_pool are None where an older evaluate.py did not write them."""
     return {**{k: ev.get(k) for k in EV_FIELDS},
             "true_reward_se": ev["true_reward_std"] / ev["n_completions"] ** 0.5,  # sampling only
-            "n_completions": ev["n_completions"],
+            "n_completions": ev["n_completions"], "pool_best": ev.get("pool_best"),
             **{f"ref_{k}": ev.get(f"ref_{k}") for k in EV_FIELDS[1:] if k != "win_rate"}}
 
 
@@ -605,7 +605,7 @@ def main(cfg):
         rows, curves = frontier(cfg, Rs, d, say)
         if d.is_main:
             say(write_tables(rows, curves, cfg) + f"\nwrote {cfg.out_dir}/frontier.csv, "
-                "curves.csv and frontier.md")
+                + ("curves.csv " if curves else "") + "and frontier.md")
     if cfg.costs:
         res = costs.costs(cfg, d, say)
         if d.is_main:
