@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 import data
 import dpo
+import online_dpo
 import ppo
 import precompute
 import reward
@@ -58,7 +59,7 @@ def state_bytes(c, trainable, w=4, world=1, shard="ddp"):
     return {**s, "total": sum(s.values())}
 
 
-def iteration_flops(c, job, B, T, K, P=0, epochs=4):
+def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0):
     """FLOPs of one iteration of `job` by phase, as the loops run it (hardware FLOPs: padding
     included); c: the policy's GPTConfig (critic and r_φ are the same transformer with a one-unit
     head). K: the positions with a target, where the LM head runs (model.sequence_logprobs).
@@ -68,8 +69,15 @@ def iteration_flops(c, job, B, T, K, P=0, epochs=4):
       ppo: B rollouts of T columns, P of them prompt, K sampled tokens: the rollout engine samples
           them (KV cache), r_φ scores, policy (old log-probs), π_ref and critic run forward,
           `epochs` passes of forward + backward update (here over the whole (B, T) batch; ppo.py
-          cuts each micro-batch to its own lengths, so it runs somewhat less)."""
+          cuts each micro-batch to its own lengths, so it runs somewhat less)
+      online_dpo: B prompts, two completions each (online_dpo.py's round, one micro-batch): the
+          rollout engine samples (2B, L) rows, P columns of them prompt (KV cache), r_φ scores
+          them, then dpo_live's work on the B labelled pairs, (2B, T) rows with K targets."""
     f, s = estimate_flops, replace(c, head="scalar")
+    if job == "online_dpo":
+        return {"rollout": generate_flops(c, 2 * B, P, L - P), "reward": f(s, 2 * B, L),
+                "reference": f(c, 2 * B, T, outputs=K),
+                "policy": f(c, 2 * B, T, backward=True, outputs=K)}
     if job == "ppo":
         return {"rollout": generate_flops(c, B, P, T - P), "reward": f(s, B, T),
                 "ref_critic": 2 * f(c, B, T, outputs=K) + f(s, B, T),
@@ -82,10 +90,12 @@ def iteration_flops(c, job, B, T, K, P=0, epochs=4):
 JOBS = {  # what each training job holds: (model, head, trains)
     "ppo": [("policy", "lm", True), ("critic", "scalar", True), ("reference", "lm", False),
             ("reward model", "scalar", False), ("rollout copy", "lm", False)],
+    "online_dpo": [("policy", "lm", True), ("reference", "lm", False),
+                   ("reward model", "scalar", False), ("rollout copy", "lm", False)],
     "dpo_live": [("policy", "lm", True), ("reference", "lm", False)],
     "dpo_cache": [("policy", "lm", True)]}
-LABEL = {"ppo": "PPO", "dpo_live": "DPO, live π_ref", "dpo_cache": "DPO, cached log π_ref",
-         "precompute": "precompute (once)"}
+LABEL = {"ppo": "PPO", "online_dpo": "online DPO", "dpo_live": "DPO, live π_ref",
+         "dpo_cache": "DPO, cached log π_ref", "precompute": "precompute (once)"}
 # The 7B extrapolation: a GPT with Llama-2-7B's depth, width, heads and vocabulary (bias-free, tied
 # embeddings: 6.58B parameters against Llama's 6.74B, whose SwiGLU MLP has 3x11008 columns to our
 # 2x16384). Every sequence: prompt_len prompt tokens + the rest response, no padding.
@@ -133,9 +143,9 @@ def measure_small(cfg, d, B=32):
     """One iteration's model work of each job at π_ref's size on real pairs and prompts, with the
     calls the loops make (model.generate, precompute.pair_logps, forward + backward, an AdamW step).
     DPO's batch is the first micro-batch of dpo.py's first step (length-grouped), PPO's the first B
-    prompts. Returns the GPTConfig, the FLOPs counted by phase, the shapes iteration_flops needs,
-    the units (padded positions, real tokens, examples) and per model (the bytes its tensors hold,
-    bytes per weight)."""
+    prompts, online DPO's two completions of each of them. Returns the GPTConfig, the FLOPs counted
+    by phase, the shapes iteration_flops needs, the units (padded positions, real tokens,
+    examples) and per model (the bytes its tensors hold, bytes per weight)."""
     tok = data.load_tokenizer(precompute.tokenizer_path(cfg.sft))
     frozen = lambda m: m.eval().requires_grad_(False)  # noqa: E731
     policy, ref = load_model(cfg.sft, d.device)[0].eval(), frozen(load_model(cfg.sft, d.device)[0])
@@ -165,17 +175,40 @@ def measure_small(cfg, d, B=32):
     _, f_up = count_flops(lambda: [(sequence_logprobs(policy, t, tg, m).sum()
                                     + critic(t, mask=m).sum()).backward()
                                    for _ in range(ppo.Config.ppo_epochs)])
+    # online DPO's round on the same prompts (online_dpo.py): two completions of each from the
+    # rollout copy (rows [prompts; prompts], one row of uniforms each), r_φ's labels, then the pairs
+    # through π_ref and the policy
+    U = torch.rand(2 * B, c.block_size - P, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        on, f_o_roll = count_flops(lambda: generate(rollout, prompts + prompts, c.block_size - P,
+                                                   tok.eos, tok.pad, uniforms=U.to(d.device)))
+        s, f_o_rm = count_flops(
+            lambda: reward.score_at_last(rm(on["tokens"], mask=on["mask"]).float(), on["mask"]))
+        ys = [row[k].tolist() for row, k in zip(on["tokens"], on["response_mask"])]
+        a_chosen, _ = online_dpo.label_pairs(s[:B], s[B:])
+        pairs = [dict(index=j, prompt=p, chosen=a if w else b, rejected=b if w else a)
+                 for j, (p, a, b, w) in enumerate(zip(prompts, ys[:B], ys[B:], a_chosen.tolist()))]
+        ob = data.collate_pairs(pairs, tok.pad)
+        xo, yo = ob["input_ids"].to(d.device), ob["targets"].to(d.device)  # (2B, T)
+        _, f_o_ref = count_flops(lambda: precompute.pair_logps(ref, xo, yo))
+    _, f_o_pol = count_flops(lambda: precompute.pair_logps(policy, xo, yo).sum().backward())
     opts = [torch.optim.AdamW(mod.parameters()) for mod in (policy, critic)]
     for o in opts:
         o.step()  # AdamW allocates m, v and the step counts on its first step
     flops = {"ppo": {"rollout": f_roll, "reward": f_rm, "ref_critic": f_rc, "update": f_up},
+             "online_dpo": {"rollout": f_o_roll, "reward": f_o_rm, "reference": f_o_ref,
+                            "policy": f_o_pol},
              "dpo_live": {"policy": f_policy, "reference": f_ref},
              "dpo_cache": {"policy": f_policy, "reference": 0}}
     K_dpo, K_ppo = int((y != -100).sum()), int(out["response_mask"].sum())
     shapes = {"ppo": dict(B=B, T=t.shape[1], K=K_ppo, P=P, epochs=ppo.Config.ppo_epochs),
+              "online_dpo": dict(B=B, T=xo.shape[1], K=int((yo != -100).sum()), P=P,
+                                 L=on["tokens"].shape[1]),
               **{job: dict(B=B, T=x.shape[1], K=K_dpo) for job in ("dpo_live", "dpo_cache")}}
     dpo_units = dict(positions=x.numel(), tokens=int((x != tok.pad).sum()), examples=B)
     units = {"ppo": dict(positions=t.numel(), tokens=int(m.sum()), examples=B),
+             "online_dpo": dict(positions=xo.numel(), tokens=int((xo != tok.pad).sum()),
+                                examples=B),
              "dpo_live": dpo_units, "dpo_cache": dpo_units}
     models = {"policy": (policy, opts[0]), "critic": (critic, opts[1]), "reference": (ref, None),
               "reward model": (rm, None), "rollout copy": (rollout, None)}
@@ -211,18 +244,24 @@ def precompute_payback(cfg, d, cache_dir):
 
 
 def timed_runs(cfg, d, say):
-    """Wall time of the real loops at their default sizes, interleaved: each round runs a few PPO iterations,
-    DPO steps with the live reference and with the cache (stopped before they evaluate), and the whole
-    precompute. Per round and job: the median step (the first warms up, dropped), its phases and tokens/s
-    from the stage's metrics.jsonl, and on CUDA the peak memory allocated."""
-    root, n, t = os.path.join(cfg.out_dir, "timing"), cfg.time_steps, lambda f: os.path.join(cfg.task, f)
-    dc = dict(ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"), val_pairs=t("pairs_val.jsonl"), resume=False,
-              eval_prompts=t("prompts_eval.jsonl"), ref_logps=cfg.ref_logps, steps=n + 1, stop_after=n, eval_every=10 ** 6)
-    jobs = {"ppo": lambda: ppo.main(ppo.Config(
-                out_dir=f"{root}/ppo", sft=cfg.sft, reward_model=cfg.reward_model, prompts=t("prompts_train.jsonl"),
-                eval_prompts=t("prompts_eval.jsonl"), iterations=n + 1, stop_after=n, resume=False)),
+    """Wall time of the real loops at their default sizes, interleaved: each round runs a few
+    iterations of PPO and rounds of online DPO, DPO steps with the live reference and with the
+    cache (stopped before they evaluate), and the whole precompute. Per round and job: the median
+    step (the first warms up, dropped), its phases and tokens/s from the stage's metrics.jsonl, and
+    on CUDA the peak memory allocated."""
+    root, n = os.path.join(cfg.out_dir, "timing"), cfg.time_steps
+    t = lambda f: os.path.join(cfg.task, f)  # noqa: E731
+    dc = dict(ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
+              val_pairs=t("pairs_val.jsonl"), eval_prompts=t("prompts_eval.jsonl"),
+              ref_logps=cfg.ref_logps, steps=n + 1, stop_after=n, eval_every=10 ** 6, resume=False)
+    rl = dict(sft=cfg.sft, reward_model=cfg.reward_model, prompts=t("prompts_train.jsonl"),
+              eval_prompts=t("prompts_eval.jsonl"), iterations=n + 1, stop_after=n, resume=False)
+    jobs = {"ppo": lambda: ppo.main(ppo.Config(out_dir=f"{root}/ppo", **rl)),
+            "online_dpo": lambda: online_dpo.main(online_dpo.Config(
+                out_dir=f"{root}/online_dpo", **rl)),
             "dpo_live": lambda: dpo.main(dpo.Config(out_dir=f"{root}/dpo_live", ref="live", **dc)),
-            "dpo_cache": lambda: dpo.main(dpo.Config(out_dir=f"{root}/dpo_cache", ref="cache", **dc)),
+            "dpo_cache": lambda: dpo.main(dpo.Config(out_dir=f"{root}/dpo_cache", ref="cache",
+                                                     **dc)),
             "precompute": lambda: precompute.main(precompute.Config(
                 out_dir=f"{root}/ref_logps", ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
                 val_pairs=t("pairs_val.jsonl")))}
@@ -245,8 +284,10 @@ def timed_runs(cfg, d, say):
                     steps = [json.loads(line) for line in f][1:]
                 med = {k: statistics.median(s[k] for s in steps) for k in steps[0]
                        if k.startswith(("time/", "tokens_", "mfu"))}
-                whole = ("time/step", "time/iteration")  # dpo.py's and ppo.py's totals; other time/ keys are phases
-                row["phases"] = {k[5:].removesuffix("_ms"): v for k, v in med.items() if k.startswith("time/") and k not in whole}
+                # dpo.py's and ppo.py's (and online_dpo.py's) totals; other time/ keys are phases
+                whole = ("time/step", "time/iteration")
+                row["phases"] = {k[5:].removesuffix("_ms"): v for k, v in med.items()
+                                 if k.startswith("time/") and k not in whole}
                 row.update(ms=next((med[k] for k in whole if k in med),
                                    sum(row["phases"].values())),
                            tokens_per_sec=med["tokens_per_sec"], mfu=med["mfu"],
@@ -301,7 +342,7 @@ def at_7b(a=BIG):
     T, P = a["seq_len"], a["prompt_len"]
     for job, held in JOBS.items():
         rows = 1 if job == "ppo" else 2  # one rollout, or one pair's [chosen; rejected]
-        fl = iteration_flops(big, job, 1, T, rows * (T - P), P, a["ppo_epochs"])
+        fl = iteration_flops(big, job, 1, T, rows * (T - P), P, a["ppo_epochs"], L=T)
         gpu = {sh: sum(state_bytes(replace(big, head=h), tr, a["weight_bytes"], a["gpus"],
                                    sh)["total"] for _, h, tr in held)
                for sh in ("ddp", "zero1", "fsdp")}
@@ -346,6 +387,7 @@ def costs_markdown(res, cfg):
         flop.append([f"**{LABEL[job]}**", "**total**", f"**{tot / 1e6:,.1f}**", "",
                      *(f"**{v}**" for v in per(tot))])
     per_ex = {"ppo": (ppo.Config.rollout_batch, "rollouts"),
+              "online_dpo": (online_dpo.Config.rollout_batch, "pairs"),
               "dpo_live": (dpo.Config.batch_size, "pairs"),
               "dpo_cache": (dpo.Config.batch_size, "pairs"),
               "precompute": (res["n_pairs"], "pairs (train + val)")}
@@ -359,11 +401,12 @@ def costs_markdown(res, cfg):
                      " · ".join(f"{k} {v:,.0f}" for k, v in t["phases"].items())
                      or "(the whole run)"])
     total = lambda job, k: sum(J[job]["flops_analytic"].values()) / J[job]["units"][k]  # noqa: E731
-    ratios = ", ".join(f"{total('ppo', k) / total('dpo_cache', k):.1f}× per {name}"
-                       for k, name in UNITS)
+    ratios = lambda job: ", ".join(  # noqa: E731
+        f"{total(job, k) / total('dpo_cache', k):.1f}× per {name}" for k, name in UNITS)
     units = "; ".join(f"{LABEL[job]}: {u['examples']} examples, {u['positions']:,} positions, "
                       f"{u['tokens']:,} of them real tokens"
-                      for job, u in ((j, J[j]["units"]) for j in ("ppo", "dpo_cache")))
+                      for job, u in ((j, J[j]["units"]) for j in ("ppo", "online_dpo",
+                                                                   "dpo_cache")))
     pb, E = res["payback_flops"], res["payback_flops"]["epoch_steps"]
     big = [[LABEL[job], len(JOBS[job]),
             *(size(r["bytes_per_gpu"][s]) for s in ("ddp", "zero1", "fsdp")),
@@ -388,12 +431,16 @@ def costs_markdown(res, cfg):
         "formulas by model.count_flops)", "",
         table(["job", "phase", "analytic MFLOP", "counted MFLOP", "kFLOP per padded position",
                "kFLOP per real token", "MFLOP per example"], flop), "",
-        "Three units, each stated: per padded position of the iteration's batch (DPO's (2B, T) "
-        "pair rows, PPO's (B, T) rollouts, padding included), per real token (prompt and "
-        "response, no padding), per example (a pair for DPO, a rollout for PPO). " + units + ". "
-        "DPO's batch is the first micro-batch dpo.py runs (grouped by length); the LM head runs "
-        "only where a target exists. PPO's rollout samples with the KV cache; its update is "
-        f"ppo_epochs passes through policy and critic. PPO against cached DPO: {ratios}.", "",
+        "Three units, each stated: per padded position of the iteration's batch (DPO's and "
+        "online DPO's (2B, T) pair rows, PPO's (B, T) rollouts, padding included), per real "
+        "token (prompt and response, no padding), per example (a pair for DPO and online DPO, a "
+        "rollout for PPO). " + units + ". DPO's batch is the first micro-batch dpo.py runs "
+        "(grouped by length); the LM head runs only where a target exists. PPO's rollout samples "
+        "with the KV cache; its update is ppo_epochs passes through policy and critic. Online "
+        "DPO's round samples two completions of each of PPO's prompts with the KV cache, r_φ "
+        "scores all 2B, and the labelled pairs go through π_ref and the policy as in live DPO. "
+        f"PPO against cached DPO: {ratios('ppo')}; online DPO against cached DPO: "
+        f"{ratios('online_dpo')}.", "",
         f"### Wall time of the real loops (median of {cfg.rounds} interleaved rounds, "
         f"{cfg.time_steps - 1} timed steps each)", "",
         table(["job", "ms per iteration", "examples", "ms per example", "real tokens/s",
@@ -418,11 +465,12 @@ def costs_markdown(res, cfg):
         f"A GPT with Llama-2-7B's shape: {a['n_layer']} layers × {a['n_embd']} wide, "
         f"{a['n_head']} heads, vocabulary {a['vocab_size']}, no biases, tied embeddings "
         f"({res['at_7b']['params'] / 1e9:.2f}B parameters). Weights in bf16; a trained model "
-        "adds bf16 grads, an fp32 master copy and Adam's m and v (16 bytes per parameter); PPO's "
-        f"rollout copy is bf16. Sequences of {a['seq_len']} tokens, {a['prompt_len']} prompt + "
-        f"{a['seq_len'] - a['prompt_len']} response, no padding (a position is a real token), "
-        f"the LM head on the response; {a['ppo_epochs']} PPO epochs, DPO batches of "
-        f"{a['batch_pairs']} pairs from {a['pairs']:,}. Model state only: activations, PPO's KV "
+        "adds bf16 grads, an fp32 master copy and Adam's m and v (16 bytes per parameter); the "
+        f"rollout copy (PPO's, online DPO's) is bf16. Sequences of {a['seq_len']} tokens, "
+        f"{a['prompt_len']} prompt + {a['seq_len'] - a['prompt_len']} response, no padding (a "
+        "position is a real token), the LM head on the response; online DPO samples both "
+        f"completions of a pair; {a['ppo_epochs']} PPO epochs, DPO batches of "
+        f"{a['batch_pairs']} pairs from {a['pairs']:,}. Model state only: activations, the KV "
         "cache and communication buffers come on top.", "",
         table(["job", "models", "DDP per GPU", "ZeRO-1 per GPU", "FSDP per GPU",
                "GFLOP per token", "× DPO cached"], big), "",

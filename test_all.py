@@ -2435,9 +2435,13 @@ def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F
     for job in costs.JOBS:
         assert costs.iteration_flops(c, job, **shapes[job]) == flops[job], job  # exact: the same counting rules
     assert shapes["ppo"]["T"] > shapes["ppo"]["P"] + 1  # the rollout sampled several tokens (KV-cache steps counted)
-    for name, head, trains in costs.JOBS["ppo"]:
-        measured, w = models[name]
-        assert costs.state_bytes(replace(c, head=head), trains, w=w) == measured, name
+    # online DPO's round: KV-cache steps sampled, and every phase did work (a dropped term shows)
+    assert shapes["online_dpo"]["L"] > shapes["online_dpo"]["P"] + 1
+    assert all(v > 0 for v in flops["online_dpo"].values())
+    for job in costs.JOBS:
+        for name, head, trains in costs.JOBS[job]:
+            measured, w = models[name]
+            assert costs.state_bytes(replace(c, head=head), trains, w=w) == measured, (job, name)
 
 
 def test_mean_and_standard_error_across_seeds_by_hand():
