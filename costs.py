@@ -117,7 +117,7 @@ def measured_bytes(m, opt=None):
 
 
 def dpo_batches(examples, batch_size, micro_batch_size, seed, steps=None):
-    """The pair micro-batches dpo.py's training runs (length-grouped global batches cut into
+    """The pair micro-batches dpo.py's training runs (length-sorted global batches cut into
     contiguous micro-batches, all ranks' together: the same on any world size when each rank's
     share divides into them), over `steps` steps (default one epoch). A list of example lists."""
     lengths = [data.longest_row(e) for e in examples]
@@ -142,7 +142,7 @@ def reference_flops(c, batches, pad):
 def measure_small(cfg, d, B=32):
     """One iteration's model work of each job at π_ref's size on real pairs and prompts, with the
     calls the loops make (model.generate, precompute.pair_logps, forward + backward, an AdamW step).
-    DPO's batch is the first micro-batch of dpo.py's first step (length-grouped), PPO's the first B
+    DPO's batch is the first micro-batch of dpo.py's first step (by length), PPO's the first B
     prompts, online DPO's two completions of each of them. Returns the GPTConfig, the FLOPs counted
     by phase, the shapes iteration_flops needs, the units (padded positions, real tokens,
     examples) and per model (the bytes its tensors hold, bytes per weight)."""
@@ -435,7 +435,7 @@ def costs_markdown(res, cfg):
         "online DPO's (2B, T) pair rows, PPO's (B, T) rollouts, padding included), per real "
         "token (prompt and response, no padding), per example (a pair for DPO and online DPO, a "
         "rollout for PPO). " + units + ". DPO's batch is the first micro-batch dpo.py runs "
-        "(grouped by length); the LM head runs only where a target exists. PPO's rollout samples "
+        "(sorted by length); the LM head runs only where a target exists. PPO's rollout samples "
         "with the KV cache; its update is ppo_epochs passes through policy and critic. Online "
         "DPO's round samples two completions of each of PPO's prompts with the KV cache, r_φ "
         "scores all 2B, and the labelled pairs go through π_ref and the policy as in live DPO. "

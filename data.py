@@ -592,35 +592,26 @@ def longest_row(example):
     return len(example["prompt"]) + max(len(example[k]) for k in ("chosen", "rejected", "response")
                                         if k in example)
 
-def global_batch(n, batch_size, step, seed, lengths=None, window=8):
+def global_batch(n, batch_size, step, seed, lengths=None):
     """Indices of the global batch at step: epoch-wise permutation, incomplete tail dropped.
-    With lengths (one per example, e.g. longest_row), the batches are grouped by length, as Hugging
-    Face's group_by_length does: the epoch's permutation is cut into windows of `window` global
-    batches; each window is sorted by length, longest first (ties keep their random order), cut into
-    batches, and its batches are taken in a random order. A batch then holds examples of about one
-    length, sorted, so every micro-batch cut from it (contiguous) is padded only to its own longest
-    row, instead of every batch to about the longest in the data.
-    What it does to the order: the same examples make each epoch (each exactly once), and each lands
-    in a random window; only who shares a batch with whom changes (examples of similar length). It
-    does not bias training: over an epoch every example still weighs the same, provided the loss
-    weighs each example by a constant (DPO and the reward model: 1/batch_size per pair; SFT divides
-    by a fixed token count, not by the batch's own), and the batches of a window come in random
-    order, so no length is systematically early or late in the schedule (Hugging Face puts the
-    longest first, to fail on memory at once; we do not). What does change is the noise: a batch is
-    no longer a uniform sample, so the gradient's variance across steps is somewhat larger."""
+    With lengths (one per example, e.g. longest_row), the same batch sorted by length, longest
+    first (ties keep their random order): every micro-batch cut from it, and every rank's share of
+    it (both contiguous), then holds rows of about one length and is padded only to its own longest.
+    The batch is still a uniform sample of the data: the step's loss and gradient are the unsorted
+    batch's (up to the order of fp32 sums); only the padding drops.
+    Not Hugging Face's group_by_length, which sorts windows of many batches by length, so that a
+    batch holds only similar lengths: that saves more padding but changes training. Measured here,
+    with windows of 8 batches: the reward model's held-out accuracy after its 120 steps fell from
+    0.820 to 0.678 and its correlation with the true reward from 0.82 to 0.47 (it learned from
+    batches of one length, where the sum-of-words reward barely varies)."""
     per_epoch = n // batch_size
     assert per_epoch >= 1, f"batch size {batch_size} is larger than the data ({n} examples)"
     epoch, i = divmod(step, per_epoch)
-    perm = np.random.default_rng(seed + epoch).permutation(n)
-    if lengths is None:
-        return perm[i * batch_size:(i + 1) * batch_size].tolist()
-    assert len(lengths) == n, f"{len(lengths)} lengths for {n} examples"
-    w, j = divmod(i, window)  # this step's window, and its place in it
-    start = w * window * batch_size
-    chunk = perm[start:min(start + window * batch_size, per_epoch * batch_size)]
-    chunk = chunk[np.argsort(-np.asarray(lengths)[chunk], kind="stable")]  # longest first
-    order = np.random.default_rng([seed, epoch, w]).permutation(len(chunk) // batch_size)
-    return chunk[order[j] * batch_size:(order[j] + 1) * batch_size].tolist()
+    batch = np.random.default_rng(seed + epoch).permutation(n)[i * batch_size:(i + 1) * batch_size]
+    if lengths is not None:
+        assert len(lengths) == n, f"{len(lengths)} lengths for {n} examples"
+        batch = batch[np.argsort(-np.asarray(lengths)[batch], kind="stable")]
+    return batch.tolist()
 
 def rank_slice(indices, rank, world):
     """This rank's contiguous share of the global batch; the shares are disjoint and cover it."""

@@ -177,7 +177,7 @@ def main(cfg):
     inputs = input_fingerprint({"--ref_model": cfg.ref_model,
                                 "tokenizer": precompute.tokenizer_path(cfg.ref_model),
                                 "--train_pairs": cfg.train_pairs}, train)
-    lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
+    lengths = [data.longest_row(e) for e in train]  # to sort each batch by length
     ref_train = ref_val = None
     if cfg.ref == "cache":  # the reference's only trace in this job: two fp32 numbers per pair
         # with --ref_logps at its default, the cache (the built-in task's, or your pairs' own) is
@@ -235,9 +235,9 @@ def main(cfg):
         for g in opt.param_groups:
             g["lr"] = lr
 
-        # -- batch: this rank's share of the step's global batch, in micro-batches of pairs
-        # grouped by length, each padded to its own longest row (data.global_batch says why that
-        # does not bias training)
+        # -- batch: this rank's share of the step's global batch, sorted by length and cut into
+        # micro-batches of pairs, each padded to its own longest row (the batch's loss and gradient
+        # are the unsorted batch's: data.global_batch)
         mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
         mine = data.rank_slice(mine, d.rank, d.world)
         batches = [data.collate_pairs([train[i] for i in mine[m * mb:(m + 1) * mb]], tok.pad)

@@ -205,7 +205,7 @@ def main(cfg):
     # what the weights are trained from: a resumed run checks it is the same
     inputs = input_fingerprint({"--sft": cfg.sft, "tokenizer": tok_path,
                                 "--train_pairs": cfg.train_pairs}, train)
-    lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
+    lengths = [data.longest_row(e) for e in train]  # to sort each batch by length
 
     # ---- model, optimizer, resume
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
@@ -228,7 +228,7 @@ def main(cfg):
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        # grouped by length: each micro-batch padded to its own longest row (data.global_batch)
+        # sorted by length: each micro-batch padded to its own longest row (data.global_batch)
         mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
         mine = data.rank_slice(mine, d.rank, d.world)
         # FLOPs of forward + backward (True below): those the real tokens need (the head at one

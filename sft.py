@@ -104,11 +104,10 @@ def main(cfg):
     # what the weights are trained from: a resumed run checks it is the same
     inputs = input_fingerprint({"--train_text": cfg.train_text, "--tokenizer": cfg.tokenizer,
                                 "--init_from": cfg.init_from}, train)
-    lengths = [data.longest_row(e) for e in train]  # for length-grouped batches
+    lengths = [data.longest_row(e) for e in train]  # to sort each batch by length
     # Every token weighs the same in every step: the loss is the batch's summed NLL over a fixed
-    # count, the mean tokens of a global batch over the data, not over the batch's own count. With
-    # length-grouped batches, a batch of short texts holds fewer tokens: its own count would weigh
-    # each of them more, and tilt the objective toward short texts.
+    # count, the mean tokens of a global batch over the data, not over the batch's own count: a
+    # batch of short texts holds fewer tokens, and its own count would weigh each of them more.
     tokens_per_batch = cfg.batch_size * sum(len(e["response"]) for e in train) / len(train)
 
     # ---- model, optimizer, resume

@@ -1161,26 +1161,20 @@ def test_sharding_same_global_batches_any_world_size():
     with pytest.raises(AssertionError, match="larger"):
         data.global_batch(5, 8, 0, 0)
 
-def test_length_grouped_batches_keep_each_epoch_and_cut_the_padding():
-    n, B, seed, window = 103, 8, 5, 5  # 12 steps an epoch: windows of 5, 5 and 2 batches
+def test_length_sorted_batches_are_the_same_batches_with_less_padding():
+    n, B, mb, seed = 103, 32, 8, 5  # 3 steps an epoch, 4 micro-batches a step
     lengths = torch.randint(5, 60, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-    pad = lambda bs: sum(B * max(lengths[i] for i in g) for g in bs)  # noqa: E731  padded positions
-    for epoch in range(3):
-        steps = range(epoch * 12, (epoch + 1) * 12)
-        grouped = [data.global_batch(n, B, s, seed, lengths, window) for s in steps]
-        plain = [data.global_batch(n, B, s, seed) for s in steps]
-        # the epoch's examples, each exactly once: the same as without grouping (same tail dropped)
-        assert sorted(sum(grouped, [])) == sorted(sum(plain, []))
-        assert len(set(sum(grouped, []))) == 96
-        for g in grouped:  # longest first inside a batch, so contiguous micro-batches are tight too
-            assert [lengths[i] for i in g] == sorted((lengths[i] for i in g), reverse=True)
-        assert grouped == [data.global_batch(n, B, s, seed, lengths, window) for s in steps]  # pure
-        real = sum(lengths[i] for g in grouped for i in g)
-        # lengths uniform in 5..59, 40 to a window: measured 0.82-0.85 of positions real, 0.53-0.59
-        assert real / pad(grouped) > 0.8 > 0.6 > real / pad(plain)
-        # the batches of a window come in random order, not longest first
-        tops = [max(lengths[i] for i in g) for g in grouped[:window]]
-        assert tops != sorted(tops, reverse=True)
+    def pad(bs):  # padded positions of the contiguous micro-batches
+        return sum(mb * max(lengths[i] for i in g[k:k + mb]) for g in bs for k in range(0, B, mb))
+    steps = range(9)
+    by_length = [data.global_batch(n, B, s, seed, lengths) for s in steps]
+    plain = [data.global_batch(n, B, s, seed) for s in steps]
+    for g, p in zip(by_length, plain):
+        assert sorted(g) == sorted(p) and g != p  # each step's examples: the uniform batch's own
+        assert [lengths[i] for i in g] == sorted((lengths[i] for i in g), reverse=True)
+    real = sum(lengths[i] for g in plain for i in g)
+    # lengths uniform in 5..59: measured 0.56 of positions real in unsorted micro-batches, 0.81
+    assert real / pad(by_length) > 0.75 > 0.65 > real / pad(plain)
 
 
 # ====================================================================================================
@@ -1563,7 +1557,7 @@ def test_cached_step_costs_the_analytic_fraction_of_a_live_step(tiny, dpo_cache,
         cfg = dpo_cfg(tiny, f"dpo-flops-{ref}", ref=ref, steps=2, stop_after=1)  # one step, no evaluation
         counted[ref] = count_flops(lambda: dpo.main(cfg))[1]
         logged[ref] = dpo_metrics(cfg.out_dir)[0]
-    # expected from the model's own sizes and the step's real batches: grouped by length, each
+    # expected from the model's own sizes and the step's real batches: sorted by length, each
     # micro-batch padded to its own longest row, the LM head only at its K targets
     mcfg = load_model(cfg.ref_model)[0].config
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
