@@ -129,6 +129,11 @@ def sync_grads(model, sync):
     return ddp.no_sync()
 
 
+def sharded(model):
+    """Is any part of the model sharded by wrap's fsdp?"""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 @contextlib.contextmanager
 def gathered(*models):
     """--fsdp: inside it, each sharded model holds its whole weights on every rank, as under DDP,
