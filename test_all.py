@@ -2703,9 +2703,9 @@ def _fsdp_worker(rank, init_file, result_dir):
     state = plumbing.full_state(model)  # whole tensors, gathered on every rank here
     r["state_diff"] = max((v - ref.state_dict()[k]).abs().max().item() for k, v in state.items())
     r["state_keys"] = sorted(state) == sorted(dict(ref.named_parameters()))  # the tie once
-    with torch.no_grad(), plumbing.gathered(model):  # unequal numbers of forwards, no collective
-        outs = [model(x[0, :, :5 + k]) for k in range(rank + 1)]
-    r["gathered_diff"] = (outs[-1] - ref(x[0, :, :5 + rank])).abs().max().item()
+    with torch.no_grad(), plumbing.gathered(model):  # rank 0 runs none, rank 1 two: no collective
+        outs = [model(x[0, :, :5 + k]) - ref(x[0, :, :5 + k]) for k in range(2 * rank)]
+    r["gathered_diff"] = max([o.abs().max().item() for o in outs], default=0.0)
     # a checkpoint written from the shards loads into one process and into a sharded model alike
     ckpt = os.path.join(result_dir, "ckpt")
     plumbing.save_checkpoint(ckpt, 1, {"model": model, "optim": opt}, {}, write=rank == 0)
@@ -2723,6 +2723,8 @@ def _fsdp_worker(rank, init_file, result_dir):
                for k, v in s.items()}
         r[f"load_{fsdp}"] = (all(torch.equal(state[k], s2[k]) for k in state)
                              and all(torch.equal(whole[k], got[k]) for k in whole))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))  # init_distributed finds the group
+    r["rank_state"] = costs.rank_state()  # what `torchrun --nproc_per_node=2 costs.py` prints
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(r, f)
     torch.distributed.destroy_process_group()
@@ -2733,7 +2735,7 @@ def test_fsdp_plumbing_on_two_gloo_ranks(tmp_path):
     reduce-scatter to the last micro-step and the gradients then equal the whole batch's; the
     clipped norm of the sharded grads is the unsharded norm; full_state gathers whole tensors;
     gathered runs unequal forwards; a checkpoint from the shards loads into one process and into
-    shards. float64: only the order of sums differs (measured: grads 4e-16, weights after an Adam
+    shards; and the per-rank bytes of the model state, DDP against FSDP. float64: only the order of sums differs (measured: grads 4e-16, weights after an Adam
     step 2.3e-15; 1e-12 leaves room)."""
     mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
@@ -2743,14 +2745,10 @@ def test_fsdp_plumbing_on_two_gloo_ranks(tmp_path):
         for k in ("grad_diff", "norm_diff", "clipped_grad_diff", "state_diff", "gathered_diff"):
             assert r[k] <= 1e-12, (k, r)
         assert r["load_False"] and r["load_True"], r
-
-
-def test_fsdp_halves_the_model_state_per_rank():
-    """torchrun --nproc_per_node=2 costs.py: the bytes each rank holds, measured. FSDP's two ranks
-    hold together exactly DDP's one copy of weights, grads and Adam's moments, half each (π_ref's
-    rows divide by 2), plus AdamW's step counts, whole on every rank."""
-    p = run_torchrun("costs.py", [])
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    # costs.rank_state, the bytes each rank holds, measured: FSDP's two ranks hold together exactly
+    # DDP's one copy of weights, grads and Adam's moments, half each (π_ref's rows divide by 2),
+    # plus AdamW's step counts, whole on every rank
+    res = r["rank_state"]
     ddp, fsdp = res["ddp"]["ranks"], res["fsdp"]["ranks"]
     n = costs.n_params(GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64))[1]
     assert ddp[0] == ddp[1] == {k: int(v) for k, v in res["ddp"]["analytic"].items()}
