@@ -41,7 +41,7 @@ from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barr
                       init_distributed, input_fingerprint, lap, lr_at, measure_peak_flops,
                       parse_config,
                       precision, prepare_outputs, reduce_sums, require_stage, resume,
-                      save_checkpoint, split_batch, stop_if_diverged, stop_if_not_finite,
+                      save_checkpoint, sharded, split_batch, stop_if_diverged, stop_if_not_finite,
                       sync_grads, teardown, wrap)
 
 # ==== config
@@ -227,7 +227,8 @@ def main(cfg):
     peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * cfg.max_len))
     log.print(f"{cfg.loss} loss, beta {cfg.beta} | reference: {cfg.ref} | batch "
               f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {mb} | device "
-              f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")
+              f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)"
+              + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
 
     # ==== training loop
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)

@@ -38,8 +38,8 @@ from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barri
                       compile_metrics, full_state, gathered, init_distributed,
                       input_fingerprint, lap, lr_at,
                       measure_peak_flops, parse_config, precision, prepare_outputs, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_diverged,
-                      stop_if_not_finite, sync_grads, teardown, wrap)
+                      require_stage, resume, save_checkpoint, sharded, split_batch,
+                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
 
 # ==== config
 
@@ -316,7 +316,7 @@ def main(cfg):
     log.print(f"rollout {cfg.rollout_batch} = {d.world} ranks x {B} | {cfg.ppo_epochs} epochs x "
               f"{n_mini} minibatches of {cfg.mini_batch} = {d.world} ranks x {accum} accumulation "
               f"x {micro} | reward: {scorer} | device {d.device} | peak {peak / 1e9:.1f} GFLOP/s "
-              f"per rank (measured)")
+              f"per rank (measured)" + (" | sharded (FSDP2)" if sharded(pv) else ""))
 
     # ==== training loop
     end = cfg.iterations if not cfg.stop_after else min(cfg.iterations, start + cfg.stop_after)

@@ -233,7 +233,8 @@ def main(cfg):
             f"prompts and {stats['truncated_response']} responses truncated, "
             f"{stats['unusable']} unusable) | {cost['tokens']} tokens ({cost['positions']} "
             f"positions with padding) | {cost['flops'] / 1e9:.2f} GFLOP | "
-            f"{cost['wall_s']:.2f} s on {d.world} rank(s)")
+            f"{cost['wall_s']:.2f} s on {d.world} rank(s)"
+            + (" | π_ref sharded (FSDP2)" if sharded(model) else ""))
     barrier(d)  # the files are on disk before any rank returns (dpo.py reads them next)
     teardown(d)
 

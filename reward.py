@@ -30,8 +30,8 @@ from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barr
                       check_finite_weights, full_state, gathered, init_distributed,
                       input_fingerprint, lr_at,
                       measure_peak_flops, parse_config, prepare_outputs, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_diverged,
-                      stop_if_not_finite, sync_grads, teardown, wrap)
+                      require_stage, resume, save_checkpoint, sharded, split_batch,
+                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
 
 
 @dataclass
@@ -224,7 +224,7 @@ def main(cfg):
     peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * block))
     log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | "
               f"batch {cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {mb} | "
-              f"device {d.device}")
+              f"device {d.device}" + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
 
     # ---- training loop
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)

@@ -2723,6 +2723,9 @@ def _fsdp_worker(rank, init_file, result_dir):
                for k, v in s.items()}
         r[f"load_{fsdp}"] = (all(torch.equal(state[k], s2[k]) for k in state)
                              and all(torch.equal(whole[k], got[k]) for k in whole))
+        for q in m2.parameters():  # and Adam steps from it: its moments sharded as the weights
+            q.grad = torch.zeros_like(q)
+        o2.step()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))  # init_distributed finds the group
     r["rank_state"] = costs.rank_state()  # what `torchrun --nproc_per_node=2 costs.py` prints
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
@@ -2760,7 +2763,8 @@ def test_fsdp_plumbing_on_two_gloo_ranks(tmp_path):
 def test_fsdp_sft_two_ranks_equal_one_process(tiny, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     sft.main(sft.Config(**sft_args(tiny, one)))  # 1 rank x 4 micro-steps of 4
-    run_torchrun("sft.py", as_flags(sft_args(tiny, two, fsdp=True)))  # 2 shards x 2 micro-steps
+    p = run_torchrun("sft.py", as_flags(sft_args(tiny, two, fsdp=True)))  # 2 shards x 2 micro-steps
+    assert "sharded (FSDP2)" in p.stdout
     # as test_sft_two_ranks_...: only the order of fp32 sums differs (reduce-scatter, the norm's
     # sum over shards); measured <= 3e-7
     a, b = (read_metrics(out) for out in (one, two))
@@ -2778,7 +2782,7 @@ def test_fsdp_dpo_two_ranks_equal_one_process_cached_and_live(tiny, dpo_cache): 
     for ref in ("cache", "live"):  # 2 shards x 2 micro-steps x 4: the same global batch
         two = dpo_cfg(tiny, f"fsdp-dpo-2ranks-{ref}", steps=2, micro_batch_size=4, ref=ref)
         p = run_torchrun("dpo.py", as_flags({**asdict(two), "fsdp": True}))  # also the smoke run
-        assert "held-out pairs: accuracy" in p.stdout
+        assert "held-out pairs: accuracy" in p.stdout and "sharded (FSDP2)" in p.stdout
         b = dpo_metrics(two.out_dir)
         assert [x["step"] for x in a] == [y["step"] for y in b] and "val_loss" in b[-1]
         # DPO_TOL's reasoning; measured <= 6e-7 relative, cached and live alike
@@ -2792,8 +2796,10 @@ def test_fsdp_dpo_two_ranks_equal_one_process_cached_and_live(tiny, dpo_cache): 
 def test_fsdp_precompute_two_ranks_writes_the_same_cache(tiny, dpo_cache):  # noqa: F811
     out, c = str(tiny.root / "fsdp-cache-2ranks"), dpo_pcfg(tiny)
     # the val split is one micro-batch: rank 1 reruns one to match rank 0's collectives
-    run_torchrun("precompute.py", ["--out_dir", out, "--ref_model", c.ref_model, "--train_pairs",
-                                   c.train_pairs, "--val_pairs", c.val_pairs, "--fsdp"])
+    p = run_torchrun("precompute.py", ["--out_dir", out, "--ref_model", c.ref_model,
+                                       "--train_pairs", c.train_pairs, "--val_pairs", c.val_pairs,
+                                       "--fsdp"])
+    assert "π_ref sharded (FSDP2)" in p.stdout
     for split in ("train", "val"):
         one, two = (load_file(f"{p}/{split}.safetensors") for p in (dpo_cache, out))
         for k in ("chosen", "rejected"):
@@ -2825,7 +2831,8 @@ def test_fsdp_resumes_a_one_process_checkpoint_and_back(tiny, dpo_cache):  # noq
 
 def test_fsdp_reward_and_ppo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_eval_prompts, tmp_path):
     # reward.py: --fsdp on 2 ranks against tiny_rm, DDP on 2 ranks (itself equal to one process)
-    run_torchrun("reward.py", as_flags({**reward_args(tiny, tmp_path / "rm"), "fsdp": True}))
+    p = run_torchrun("reward.py", as_flags({**reward_args(tiny, tmp_path / "rm"), "fsdp": True}))
+    assert "sharded (FSDP2)" in p.stdout
     a, b = read_metrics(tiny_rm), read_metrics(tmp_path / "rm")
     for k in ("loss", "accuracy", "grad_norm", "val_loss", "val_accuracy"):
         assert all(abs(x[k] - y[k]) <= TWO_RANK_TOL * max(1, abs(x[k])) for x, y in zip(a, b)
@@ -2841,8 +2848,9 @@ def test_fsdp_reward_and_ppo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_eval
                           mini_batch=8, lr=1e-3)
     ppo.main(one)
     two = replace(one, out_dir=str(tmp_path / "ppo2"))
-    run_torchrun("ppo.py", [f"--{k}={v}" for k, v in vars(two).items() if not isinstance(v, bool)]
-                 + ["--fsdp"])
+    p = run_torchrun("ppo.py", [f"--{k}={v}" for k, v in vars(two).items()
+                                if not isinstance(v, bool)] + ["--fsdp"])
+    assert "sharded (FSDP2)" in p.stdout
     a, b = read_metrics(one.out_dir), read_metrics(two.out_dir)
     assert [x["step"] for x in a] == [y["step"] for y in b] == [1, 2]
     for x, y in zip(a, b):
