@@ -199,7 +199,7 @@ def broadcast_weights(trainer, rollout_copy, d):
     weights (gathered), block by block, then the same broadcast follows. That gather is the
     sharding's price for a refresh: 4 bytes per policy parameter (fp32) per rank, (world - 1) /
     world of it received from the others, every iteration, on top of the broadcast's (2 bytes per
-    parameter in bf16); at 7B on 8 ranks, 24.5 GiB per rank gathered, 13 GiB broadcast. It also
+    parameter in bf16); at 7B on 8 ranks, 24.5 GiB per rank gathered, 12.2 GiB broadcast. It also
     holds the whole fp32 policy on each rank while it lasts."""
     t0 = time.perf_counter()
     dst = list(rollout_copy.parameters())  # parameters() yields a tied weight once, in one order
