@@ -2785,7 +2785,7 @@ def test_fsdp_dpo_two_ranks_equal_one_process_cached_and_live(tiny, dpo_cache): 
         assert "held-out pairs: accuracy" in p.stdout and "sharded (FSDP2)" in p.stdout
         b = dpo_metrics(two.out_dir)
         assert [x["step"] for x in a] == [y["step"] for y in b] and "val_loss" in b[-1]
-        # DPO_TOL's reasoning; measured <= 6e-7 relative, cached and live alike
+        # DPO_TOL's reasoning; measured <= 1.5e-6 relative (rewards/margins, live), 1e-6 cached
         for k in ("loss", "rewards/margins", "logps/chosen", "grad_norm", "val_loss"):
             assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)
                        if k in x), (ref, k)
