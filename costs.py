@@ -7,6 +7,7 @@ FLOP counter, then evaluated for a Llama-2-7B-sized GPT on 8 GPUs.
 
     python compare.py --no-frontier      # runs these tables alone (compare.py runs them after the
                                          # frontier); they land in out/compare/costs.{md,json}
+    torchrun --nproc_per_node=2 costs.py # per-rank state under DDP and --fsdp, measured
 """
 import copy
 import gc
@@ -19,6 +20,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from torch.distributed.tensor import DTensor
 
 import data
 import dpo
@@ -26,8 +28,9 @@ import online_dpo
 import ppo
 import precompute
 import reward
-from model import (GPTConfig, count_flops, estimate_flops, generate, generate_flops, load_model,
-                   sequence_logprobs)
+from model import (GPT, GPTConfig, count_flops, estimate_flops, generate, generate_flops,
+                   load_model, sequence_logprobs)
+from plumbing import adamw, all_reduce_sum, init_distributed, teardown, wrap
 
 # -----------------------------------------------------------------------------
 # The analytic costs. Checked against the tensors' nbytes and torch's FlopCounterMode at π_ref's
@@ -106,14 +109,43 @@ BIG = dict(n_layer=32, n_head=32, n_embd=4096, vocab_size=32000, seq_len=512, pr
 # Measuring at π_ref's size
 
 def measured_bytes(m, opt=None):
-    """Bytes m's tensors hold: parameters (a tied one once), their grads, and opt's state for
-    them."""
+    """Bytes m's tensors hold on this rank: parameters (a tied one once), their grads, and opt's
+    state for them; of a DTensor (--fsdp), the shard this rank holds."""
+    nbytes = lambda t: (t.to_local() if isinstance(t, DTensor) else t).nbytes  # noqa: E731
     ps = list(m.parameters())
-    s = {"weights": sum(p.nbytes for p in ps),
-         "grads": sum(p.grad.nbytes for p in ps if p.grad is not None),
-         "optimizer": sum(t.nbytes for p in ps for t in (opt.state[p].values() if opt else ())
+    s = {"weights": sum(nbytes(p) for p in ps),
+         "grads": sum(nbytes(p.grad) for p in ps if p.grad is not None),
+         "optimizer": sum(nbytes(t) for p in ps for t in (opt.state[p].values() if opt else ())
                           if torch.is_tensor(t))}
     return {**s, "total": sum(s.values())}
+
+
+def rank_state(c=GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64)):
+    """Under torchrun: what one trained GPT (π_ref's shape by default) holds on each rank after a
+    backward and an AdamW step, wrapped by plumbing.wrap as the stages wrap it: DDP, then --fsdp.
+    Returns {shard: {"ranks": [measured_bytes of each rank], "analytic": state_bytes}} (fp32:
+    this is the CPU's training; state_bytes' 4 bytes per parameter). FSDP splits every tensor's
+    rows over the ranks, so the ranks' weights, grads and Adam moments add up to DDP's one copy;
+    AdamW's step counts (4 bytes per tensor) stay whole on every rank, which state_bytes, splitting
+    the whole optimizer state, counts as split."""
+    d = init_distributed()
+    out = {}
+    for shard in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        raw = GPT(c).to(d.device)
+        model = wrap(raw, d, fsdp=shard == "fsdp")
+        opt = adamw(raw, 1e-3, 0.1)
+        x = torch.randint(0, c.vocab_size, (2, c.block_size), device=d.device)
+        sequence_logprobs(model, x, x).sum().backward()
+        opt.step()
+        me = measured_bytes(raw, opt)
+        mine = torch.zeros(d.world, len(me), dtype=torch.float64, device=d.device)
+        mine[d.rank] = torch.tensor(list(me.values()), dtype=torch.float64)
+        rows = all_reduce_sum(mine, d).tolist()
+        out[shard] = {"ranks": [dict(zip(me, map(int, r))) for r in rows],
+                      "analytic": state_bytes(c, True, 4, d.world, shard)}
+    teardown(d)
+    return out
 
 
 def dpo_batches(examples, batch_size, micro_batch_size, seed, steps=None):
@@ -480,3 +512,14 @@ def costs_markdown(res, cfg):
         f"a step costs {B['dpo_cache']['flops_per_token'] / B['dpo_live']['flops_per_token']:.0%} "
         f"of a live one's FLOPs, and π_ref's {size(2 * res['at_7b']['params'])} of bf16 weights "
         "are off every GPU all along."])
+
+
+if __name__ == "__main__":  # torchrun --nproc_per_node=2 costs.py: DDP's and FSDP's state per rank
+    res = rank_state()
+    if int(os.environ.get("RANK", "0")) == 0:
+        for shard, r in res.items():
+            print(f"{shard}: analytic per rank " + ", ".join(f"{k} {v:,.0f}" for k, v in
+                                                          r["analytic"].items()) + " bytes")
+            for i, m in enumerate(r["ranks"]):
+                print(f"  rank {i} measured " + ", ".join(f"{k} {v:,}" for k, v in m.items()))
+        print(json.dumps(res))

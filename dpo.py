@@ -2,6 +2,7 @@
 
     python dpo.py                         # one process; builds sft and the cache if missing
     torchrun --nproc_per_node=8 dpo.py    # plain DDP over 8 ranks (nccl on GPUs, gloo on CPUs)
+    torchrun --nproc_per_node=8 dpo.py --fsdp   # FSDP2: each rank holds 1/8 of the model state
     python dpo.py --ref live              # run π_ref every step instead of reading the cache
     python dpo.py --loss ipo --beta 0.1   # IPO; --label_smoothing 0.1 for conservative DPO
     python dpo.py --help                  # every flag
@@ -36,10 +37,10 @@ from evaluate import evaluate_policy, print_samples, summary, task_pool_best
 from model import (anatomy, estimate_flops, format_anatomy, freeze, load_model, matmul_shapes,
                    model_flops, save_model)
 from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
-                      check_finite_weights, clock, compile_metrics, init_distributed,
-                      input_fingerprint, lap, lr_at, measure_peak_flops, parse_config,
-                      precision, prepare_outputs, reduce_sums, require_stage, resume,
-                      save_checkpoint, split_batch, stop_if_diverged, stop_if_not_finite,
+                      check_finite_weights, clock, compile_metrics, full_state, gathered,
+                      init_distributed, input_fingerprint, lap, lr_at, measure_peak_flops,
+                      parse_config, precision, prepare_outputs, reduce_sums, require_stage, resume,
+                      save_checkpoint, sharded, split_batch, stop_if_diverged, stop_if_not_finite,
                       sync_grads, teardown, wrap)
 
 # ==== config
@@ -73,6 +74,7 @@ class Config:
     eval_k: int = 4  # completions per held-out prompt from each model in the final evaluation
     seed: int = 1337  # data order
     compile: bool = False  # torch.compile the policy (worth it on CUDA)
+    fsdp: bool = False  # shard weights, grads and AdamW state over the ranks (FSDP2), not DDP
     resume: bool = True  # continue from out_dir/ckpt if it holds this same config
     stop_after: int = 0  # stop after this many steps of this run, checkpointed (0 = run to the end)
 
@@ -118,16 +120,19 @@ def evaluate_pairs(model, ref_model, ref_logps, examples, cfg, d, pad):
     loss = correct = n = 0.0
     mb = cfg.micro_batch_size
     examples = sorted(examples, key=data.longest_row)
-    for i in range(d.rank * mb, len(examples), d.world * mb):
-        b = data.collate_pairs(examples[i:i + mb], pad)
-        x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
-        with autocast(d.device):
-            pi_c, pi_r = precompute.pair_logps(model, x, y).chunk(2)
-            ref_c, ref_r = (ref_logps[:, b["index"]].to(d.device) if ref_model is None
-                            else precompute.pair_logps(ref_model, x, y).chunk(2))
-        losses, r_c, r_r = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta, cfg.loss,
-                                    cfg.label_smoothing)
-        loss, correct, n = loss + losses.sum(), correct + (r_c > r_r).sum(), n + len(losses)
+    # --fsdp: whole weights on every rank for this pass, whose ranks run unequal numbers of
+    # forwards (a forward of a sharded model is a collective)
+    with gathered(model, ref_model):
+        for i in range(d.rank * mb, len(examples), d.world * mb):
+            b = data.collate_pairs(examples[i:i + mb], pad)
+            x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
+            with autocast(d.device):
+                pi_c, pi_r = precompute.pair_logps(model, x, y).chunk(2)
+                ref_c, ref_r = (ref_logps[:, b["index"]].to(d.device) if ref_model is None
+                                else precompute.pair_logps(ref_model, x, y).chunk(2))
+            losses, r_c, r_r = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta, cfg.loss,
+                                        cfg.label_smoothing)
+            loss, correct, n = loss + losses.sum(), correct + (r_c > r_r).sum(), n + len(losses)
     s = reduce_sums(d, loss=loss, correct=correct, n=n)
     return s["loss"] / s["n"], s["correct"] / s["n"]
 
@@ -202,7 +207,9 @@ def main(cfg):
     ref_model = None
     if cfg.ref == "live":  # what precompute removes: a second, frozen copy run forward every step
         ref_model = freeze(load_model(cfg.ref_model, d.device)[0], precision(d.device) == "bf16")
-    model = wrap(raw_model, d, cfg.compile)  # DDP over the ranks, then torch.compile
+        ref_model = wrap(ref_model, d, fsdp=cfg.fsdp)  # sharded too with --fsdp
+    # DDP over the ranks (--fsdp: sharded in place, raw_model with it), then torch.compile
+    model = wrap(raw_model, d, cfg.compile, cfg.fsdp)
 
     # ==== anatomy: what the job holds and what a token costs
     resident = {"policy": raw_model, **({"reference": ref_model} if ref_model is not None else {})}
@@ -216,7 +223,7 @@ def main(cfg):
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
     # cached and live are the same run, so either may resume the other
     start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
-                          inputs, free=("resume", "stop_after", "ref", "compile"))
+                          inputs, free=("resume", "stop_after", "ref", "compile", "fsdp"))
     first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
@@ -224,7 +231,8 @@ def main(cfg):
     peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * cfg.max_len))
     log.print(f"{cfg.loss} loss, beta {cfg.beta} | reference: {cfg.ref} | batch "
               f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {mb} | device "
-              f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")
+              f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)"
+              + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
 
     # ==== training loop
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
@@ -287,6 +295,7 @@ def main(cfg):
                 sums[k] += v.sum()
 
         # -- update
+        # (--fsdp: the grads are DTensor shards; the norm is all-reduced over them, the same one)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
         # metrics: means over the global batch, as the loss; FLOPs of all ranks
         s = reduce_sums(d, **sums, flops_model=flops["model"], flops_hardware=flops["hardware"])
@@ -321,9 +330,10 @@ def main(cfg):
         log.log(step + 1, cfg.steps, metrics, show=("loss", "rewards/accuracies", "rewards/margins",
                                                     "grad_norm", "lr", "val_loss",
                                                     "val_accuracy", "time/step"))
-        if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
+        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:  # written by rank 0
             save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
-                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss})
+                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss},
+                            write=d.is_main)
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
     if end < cfg.steps:
         log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from "
@@ -336,12 +346,14 @@ def main(cfg):
     # evaluation loads it; the training loop above never did in the default mode (and --ref live's
     # frozen copy may hold bf16 weights, which run only under autocast; sampling runs without).
     ref_eval = load_model(cfg.ref_model, d.device)[0]
-    ev = evaluate_policy(raw_model, ref_eval, tok, data.read_prompts(cfg.eval_prompts), d,
-                         k=cfg.eval_k, pool_best=task_pool_best(cfg.eval_prompts))
+    with gathered(raw_model):  # --fsdp: whole weights for sampling
+        ev = evaluate_policy(raw_model, ref_eval, tok, data.read_prompts(cfg.eval_prompts), d,
+                             k=cfg.eval_k, pool_best=task_pool_best(cfg.eval_prompts))
+    weights = full_state(raw_model, d.is_main)  # --fsdp: gathered from the shards
     if d.is_main:
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "dpo", "step": cfg.steps, "ref_model": cfg.ref_model,
-                    "loss": cfg.loss, "beta": cfg.beta})
+                    "loss": cfg.loss, "beta": cfg.beta}, weights)
         tok_out = os.path.join(cfg.out_dir, "tokenizer.json")
         shutil.copyfile(precompute.tokenizer_path(cfg.ref_model), tok_out + ".tmp")
         os.replace(tok_out + ".tmp", tok_out)

@@ -372,12 +372,13 @@ def count_flops(fn):
     return out, fc.get_total_flops()
 
 
-def save_model(model, path, meta):
+def save_model(model, path, meta, state=None):
     """safetensors with metadata {"config": GPTConfig json, "meta": json of provenance (stage,
     step...)}. The tied lm_head is stored once (as wte). Written to path + ".tmp", then renamed:
-    never half a file."""
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
-          if k != "lm_head.weight"}
+    never half a file. state: the weights to write, if not model.state_dict() (a sharded model's,
+    gathered whole by plumbing.full_state)."""
+    state = model.state_dict() if state is None else state
+    sd = {k: v.detach().contiguous().cpu() for k, v in state.items() if k != "lm_head.weight"}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     blob = save(sd, metadata={"config": json.dumps(asdict(model.config)), "meta": json.dumps(meta)})
     with open(path + ".tmp", "wb") as f:  # open(): the mode the umask gives (save_file's is 0600)

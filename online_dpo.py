@@ -2,6 +2,7 @@
 
     python online_dpo.py                        # one process; builds sft and reward if missing
     torchrun --nproc_per_node=8 online_dpo.py   # DDP: each rank samples its share of the prompts
+    torchrun --nproc_per_node=8 online_dpo.py --fsdp   # FSDP2: policy, π_ref and r_φ sharded
     python online_dpo.py --reward true          # the hidden true reward labels the pairs
     python online_dpo.py --help                 # every flag, e.g. --prompts my.jsonl --beta 0.1
 
@@ -35,10 +36,10 @@ from evaluate import evaluate_policy, print_samples, summary, task_pool_best
 from model import (anatomy, estimate_flops, format_anatomy, freeze, generate, generate_flops,
                    matmul_shapes, model_flops, save_model)
 from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check, clock,
-                      compile_metrics, init_distributed, input_fingerprint, lap, lr_at,
-                      measure_peak_flops, parse_config, precision, prepare_outputs, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_diverged,
-                      stop_if_not_finite, sync_grads, teardown, wrap)
+                      compile_metrics, full_state, gathered, init_distributed, input_fingerprint,
+                      lap, lr_at, measure_peak_flops, parse_config, precision, prepare_outputs,
+                      reduce_sums, require_stage, resume, save_checkpoint, sharded, split_batch,
+                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
 from ppo import broadcast_weights
 
 # ==== config
@@ -69,6 +70,7 @@ class Config:
     resume: bool = True  # continue from out_dir/ckpt if it holds this same config
     stop_after: int = 0  # stop after this many rounds, checkpointed (0 = run to the end)
     compile: bool = False  # torch.compile the policy (worth it on CUDA)
+    fsdp: bool = False  # shard weights, grads and AdamW state over the ranks (FSDP2), not DDP
 
 
 # ==== losses and estimators: pure functions
@@ -130,10 +132,12 @@ def main(cfg):
     # under bf16 autocast (model.freeze: the same outputs).
     bf16 = precision(d.device) == "bf16"
     raw_model, _ = reward.load_trunk(cfg.sft, "lm", d.device)
-    ref = freeze(reward.load_trunk(cfg.sft, "lm", d.device)[0], bf16)
+    # the frozen models are sharded too with --fsdp
+    ref = wrap(freeze(reward.load_trunk(cfg.sft, "lm", d.device)[0], bf16), d, fsdp=cfg.fsdp)
     rm = None  # --reward true labels with a Python function: no reward model resident
     if cfg.reward == "model":
-        rm = freeze(reward.load_trunk(cfg.reward_model, "scalar", d.device)[0], bf16)
+        rm = wrap(freeze(reward.load_trunk(cfg.reward_model, "scalar", d.device)[0], bf16), d,
+                  fsdp=cfg.fsdp)
     # The rollout engine: an inference copy of the policy, all bf16 under bf16 autocast (as vLLM
     # serves it), refreshed by broadcast_weights after every update
     rollout = copy.deepcopy(raw_model).to(torch.bfloat16 if bf16 else torch.float32)
@@ -141,7 +145,8 @@ def main(cfg):
     T = raw_model.config.block_size
     check(cfg.max_prompt_len < T,
           f"--max_prompt_len {cfg.max_prompt_len} leaves no room in the {T}-token block")
-    model = wrap(raw_model, d, cfg.compile)  # DDP over the ranks, then torch.compile
+    # DDP over the ranks (--fsdp: sharded in place, raw_model with it), then torch.compile
+    model = wrap(raw_model, d, cfg.compile, cfg.fsdp)
 
     # ==== anatomy: what the job holds and what a token costs
     resident = {"policy": raw_model, "reference": ref, **({"reward": rm} if rm is not None else {}),
@@ -161,7 +166,7 @@ def main(cfg):
     # ==== optimizer, schedule, resume
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
     start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
-                          inputs, free=("resume", "stop_after", "eval_k", "compile"))
+                          inputs, free=("resume", "stop_after", "eval_k", "compile", "fsdp"))
     first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     if start:
         broadcast_weights(raw_model, rollout, d)  # the rollout engine resumes with the policy
@@ -171,7 +176,8 @@ def main(cfg):
     log.print(f"beta {cfg.beta} | rollout {cfg.rollout_batch} prompts x 2 completions = "
               f"{d.world} ranks x {B} x 2 | batch {cfg.rollout_batch} pairs = {d.world} ranks x "
               f"{accum} accumulation x {mb} | reward: {scorer} | device {d.device} | peak "
-              f"{peak / 1e9:.1f} GFLOP/s per rank (measured)")
+              f"{peak / 1e9:.1f} GFLOP/s per rank (measured)"
+              + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
 
     # ==== training loop
     end = cfg.iterations if not cfg.stop_after else min(cfg.iterations, start + cfg.stop_after)
@@ -318,9 +324,10 @@ def main(cfg):
                                                        "time/iteration"))
         for k in PHASES:  # the mean over the timed rounds
             shares[k] += metrics.get(f"share/{k}", 0.0) / max(timed, 1)
-        if d.is_main and ((it + 1) % cfg.ckpt_every == 0 or it + 1 == end):
+        if (it + 1) % cfg.ckpt_every == 0 or it + 1 == end:  # written by rank 0
             save_checkpoint(ckpt_dir, it + 1, {"model": raw_model, "optim": opt},
-                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss})
+                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss},
+                            write=d.is_main)
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
     if end < cfg.iterations:
         log.print(f"stopped after {end - start} rounds (--stop_after); run again to resume from "
@@ -331,15 +338,17 @@ def main(cfg):
     # against π_ref's own fp32 copy: the frozen one may hold bf16 weights, which run only under
     # autocast, and sampling runs without
     ref = reward.load_trunk(cfg.sft, "lm", d.device)[0]
-    ev = evaluate_policy(raw_model, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
-                         missing_eos_score=cfg.missing_eos_score,
-                         pool_best=task_pool_best(cfg.eval_prompts))
+    with gathered(raw_model):  # --fsdp: whole weights for sampling
+        ev = evaluate_policy(raw_model, ref, tok, data.read_prompts(cfg.eval_prompts), d,
+                             k=cfg.eval_k, missing_eos_score=cfg.missing_eos_score,
+                             pool_best=task_pool_best(cfg.eval_prompts))
+    weights = full_state(raw_model, d.is_main)  # --fsdp: gathered from the shards
     if d.is_main:
         if timed > 0:
             log.print("share of a round: " + " | ".join(f"{k} {v:.1%}" for k, v in shares.items()))
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "online_dpo", "iterations": cfg.iterations, "sft": cfg.sft,
-                    "reward": cfg.reward, "beta": cfg.beta})
+                    "reward": cfg.reward, "beta": cfg.beta}, weights)
         tok_out = os.path.join(cfg.out_dir, "tokenizer.json")
         shutil.copyfile(tok_path, tok_out + ".tmp")
         os.replace(tok_out + ".tmp", tok_out)

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # -----------------------------------------------------------------------------
@@ -60,7 +62,11 @@ def init_distributed():
 
 
 def teardown(d):
+    """Every rank gets here before any destroys the group: under gloo, a rank whose peer destroyed
+    it first can abort at exit ("terminate called without an active exception", 1 run in 6 of
+    `torchrun --nproc_per_node=2 costs.py` without this barrier, 0 in 8 with it)."""
     if d.created:
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -85,14 +91,29 @@ def reduce_sums(d, **sums):
     return dict(zip(sums, all_reduce_sum(t, d).tolist()))
 
 
-def wrap(model, d, compile=False):
+def wrap(model, d, compile=False, fsdp=False):
     """The module the loop calls: DDP over the ranks (the model itself in one process), then, with
     compile, torch.compile of that DDP module, in PyTorch's recommended order: DDP's graph is then
     split at its gradient buckets, so each bucket's all-reduce overlaps the rest of the backward
     (DDP around a compiled module all-reduces only after it). dynamic=True: batches are padded to
     their longest row, so T changes from batch to batch; one compile with symbolic shapes, not one
-    per length. Keep the unwrapped model for generation, scoring and saving."""
-    if d.world > 1:
+    per length. Keep the unwrapped model for generation, scoring and saving.
+    fsdp=True (--fsdp): FSDP2 instead of DDP. Each GPT inside `model` (itself, or PPO's policy and
+    critic) is sharded in place: each transformer block, then the GPT (embeddings, final LayerNorm,
+    head), so a rank holds 1/world of the parameters, grads and AdamW state, and a forward or
+    backward all-gathers one block's weights at a time (ZeRO-3). The loop's text is the same; what
+    differs is behind sync_grads, gathered, full_state and the checkpoint functions. A frozen model
+    (π_ref, r_φ: no trainable parameter) is sharded alike under fsdp, and left as it is otherwise
+    (DDP has no gradient to reduce). A GPT's blocks and itself are the units, not the caller's
+    wrapper: PPO runs its policy and critic alone too, and FSDP2 wants its root to run first."""
+    if fsdp:
+        check(dist.is_initialized(), "--fsdp shards over the ranks of a process group: run it with "
+              "torchrun (torchrun --nproc_per_node=1 for one process)")
+        for gpt in [m for m in model.modules() if hasattr(m, "transformer")]:
+            for block in gpt.transformer.h:
+                fully_shard(block)
+            fully_shard(gpt)
+    elif d.world > 1 and any(p.requires_grad for p in model.parameters()):
         model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     return torch.compile(model, dynamic=True) if compile else model
 
@@ -100,11 +121,71 @@ def wrap(model, d, compile=False):
 def sync_grads(model, sync):
     """The context of one micro-step, forward and backward inside it. With sync=False, DDP skips its
     gradient all-reduce (no_sync): the micro-batches' gradients add up on each rank and are reduced
-    once, on the last micro-step (sync=True). A no-op for an unwrapped model."""
+    once, on the last micro-step (sync=True). FSDP's way is a switch on each sharded module: with
+    it off, the backward keeps whole gradients and skips the reduce-scatter. A no-op for an
+    unwrapped model."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in sharded:
+        m.set_requires_gradient_sync(sync, recurse=False)
     ddp = getattr(model, "_orig_mod", model)  # torch.compile's wrapper holds the DDP module
     if sync or not isinstance(ddp, DDP):
         return contextlib.nullcontext()
     return ddp.no_sync()
+
+
+def sharded(model):
+    """Is any part of the model sharded by wrap's fsdp?"""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+@contextlib.contextmanager
+def gathered(*models):
+    """--fsdp: inside it, each sharded model holds its whole weights on every rank, as under DDP,
+    and runs forwards without collectives: for the passes whose ranks run unequal numbers of
+    forwards (evaluation, sampling, the rollout copy's refresh), where FSDP's per-forward
+    all-gathers would pair up wrongly. Forward only: a change to the weights inside it is lost.
+    Costs the whole parameters per rank while it lasts. A no-op for unsharded models (None
+    skipped)."""
+    units = [m for model in models if model is not None for m in model.modules()
+             if isinstance(m, FSDPModule)]
+    for m in units:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in units:
+            m.set_reshard_after_forward(True, recurse=False)
+            m.reshard()
+
+
+def full_tensor(t, keep=True):
+    """t whole on the CPU (None where keep is False): a DTensor (a shard under --fsdp) is
+    all-gathered first, so every rank calls it; one tensor at a time, so a rank never holds more
+    than one whole tensor beyond its shards."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().contiguous().cpu() if keep else None
+
+
+def full_state(module, keep=True):
+    """The module's state_dict without aliases, whole tensors on the CPU, where keep is True ({}
+    elsewhere). Every rank calls it: under --fsdp each tensor is gathered from the shards. Tied
+    weights (lm_head = wte) are stored once; load_state_dict with strict=False refills the alias
+    through the shared Parameter."""
+    names = {n for n, _ in [*module.named_parameters(), *module.named_buffers()]}  # no aliases
+    out = {k: full_tensor(v, keep) for k, v in module.state_dict().items() if k in names}
+    return out if keep else {}
+
+
+def shard_like(full, like):
+    """A whole tensor read from a file, as `like` holds it: this rank's shard of it where `like` is
+    a DTensor (--fsdp; each rank takes its own rows, no communication), else the tensor itself. So
+    a checkpoint resumes under any world size, with or without --fsdp."""
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements,
+                             src_data_rank=None)
 
 
 def main_decides(flag, d):
@@ -292,37 +373,30 @@ def save_safetensors(tensors, path, metadata):
     os.replace(path + ".tmp", path)
 
 
-def unique_state(module):
-    """state_dict without aliases: tied weights (lm_head = wte) are stored once; load_state_dict
-    with strict=False refills the alias through the shared Parameter."""
-    out, seen = {}, set()
-    for k, v in module.state_dict().items():
-        if v.data_ptr() not in seen:
-            seen.add(v.data_ptr())
-            out[k] = v.detach().contiguous().cpu()
-    return out
-
-
-def save_checkpoint(ckpt_dir, step, parts, state):
+def save_checkpoint(ckpt_dir, step, parts, state, write=True):
     """One safetensors file per checkpoint holding every module and optimizer in `parts`
     ({"model": raw_model, "optim": optimizer, ...}; a plain tensor is stored as is), plus JSON
-    `state` (config, counters). latest.json is renamed into place last, so a crash at any moment
-    leaves the previous checkpoint intact and pointed to; older files, and the temp files of a
-    killed save, are deleted only after that. A non-finite tensor is never saved: the run stops
-    and keeps the checkpoint it had."""
-    os.makedirs(ckpt_dir, exist_ok=True)
+    `state` (config, counters). Every rank calls it; the ranks where write is False (all but rank
+    0) only help gather the --fsdp shards: whole tensors, the same file as without --fsdp, so a run
+    resumes on any world size, sharded or not. latest.json is renamed into place last, so a crash
+    at any moment leaves the previous checkpoint intact and pointed to; older files, and the temp
+    files of a killed save, are deleted only after that. A non-finite tensor is never saved: the
+    run stops and keeps the checkpoint it had."""
     tensors, meta = {}, {"step": step, "state": state, "optim": {}}
     for name, obj in parts.items():
         if isinstance(obj, torch.optim.Optimizer):
             sd = obj.state_dict()
             for i, s in sd["state"].items():
                 for k, v in s.items():
-                    tensors[f"{name}/{i}/{k}"] = torch.as_tensor(v).detach().contiguous().cpu()
+                    tensors[f"{name}/{i}/{k}"] = full_tensor(torch.as_tensor(v), write)
             meta["optim"][name] = sd["param_groups"]
         elif isinstance(obj, torch.Tensor):
-            tensors[f"{name}"] = obj.detach().contiguous().cpu()
+            tensors[f"{name}"] = full_tensor(obj, write)
         else:
-            tensors.update({f"{name}/{k}": v for k, v in unique_state(obj).items()})
+            tensors.update({f"{name}/{k}": v for k, v in full_state(obj, write).items()})
+    if not write:
+        return
+    os.makedirs(ckpt_dir, exist_ok=True)
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not v.isfinite().all()]
     if bad:
         raise SystemExit(f"error: non-finite values in {', '.join(bad[:3])} at step {step}: not "
@@ -413,14 +487,17 @@ def load_checkpoint(ckpt_dir, parts, device):
     for name, obj in parts.items():
         sub = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + "/")}
         if isinstance(obj, torch.optim.Optimizer):
-            state = {}
+            state, params = {}, [p for g in obj.param_groups for p in g["params"]]
             for k, v in sub.items():
                 i, key = k.split("/")
-                state.setdefault(int(i), {})[key] = v if key != "step" else v.float()
+                v = v.float() if key == "step" else shard_like(v, params[int(i)])
+                state.setdefault(int(i), {})[key] = v
             obj.load_state_dict({"state": state, "param_groups": meta["optim"][name]})
         elif isinstance(obj, torch.Tensor):
             loose[name] = tensors[name]
         else:
+            like = obj.state_dict()
+            sub = {k: shard_like(v, like[k]) if k in like else v for k, v in sub.items()}
             missing, unexpected = obj.load_state_dict(sub, strict=False)
             aliases = {k for k, v in obj.state_dict().items() if k not in sub}
             check(not unexpected and set(missing) <= aliases,
@@ -565,7 +642,8 @@ def input_fingerprint(files, examples):
     return fp
 
 
-def resume(ckpt_dir, cfg, parts, device, log, inputs, free=("resume", "stop_after")):
+def resume(ckpt_dir, cfg, parts, device, log, inputs,
+           free=("resume", "stop_after", "fsdp")):
     """Continue from ckpt_dir when it holds a run of this same config (the fields in `free` may
     differ) and of the same inputs (`inputs`, from input_fingerprint, which the stage saves in each
     checkpoint's state as "inputs"): fills `parts` and returns (step, state). Anything else stops

@@ -2,6 +2,7 @@
 
     python ppo.py                         # one process; builds out/sft and out/reward if missing
     torchrun --nproc_per_node=8 ppo.py    # DDP: each rank rolls out its share of the prompts
+    torchrun --nproc_per_node=8 ppo.py --fsdp   # FSDP2: all four models sharded 8 ways
     python ppo.py --reward true           # PPO-GT: the hidden true reward instead of r_φ (DPO §6.1)
     python ppo.py --help                  # every flag, e.g. --prompts my.jsonl --kl_coef 0.1
 
@@ -34,10 +35,11 @@ from evaluate import evaluate_policy, print_samples, summary, task_pool_best
 from model import (anatomy, estimate_flops, format_anatomy, freeze, generate, generate_flops,
                    matmul_shapes, model_flops, save_model, sequence_logprobs)
 from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, clock,
-                      compile_metrics, init_distributed, input_fingerprint, lap, lr_at,
+                      compile_metrics, full_state, gathered, init_distributed,
+                      input_fingerprint, lap, lr_at,
                       measure_peak_flops, parse_config, precision, prepare_outputs, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_diverged,
-                      stop_if_not_finite, sync_grads, teardown, wrap)
+                      require_stage, resume, save_checkpoint, sharded, split_batch,
+                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
 
 # ==== config
 
@@ -75,6 +77,7 @@ class Config:
     ckpt_every: int = 10  # iterations between checkpoints (and one at the end)
     seed: int = 1337  # prompt order, sampling, minibatch order
     compile: bool = False  # torch.compile the trainer, policy and critic (worth it on CUDA)
+    fsdp: bool = False  # shard weights, grads and AdamW state over the ranks (FSDP2), not DDP
     resume: bool = True  # continue from out_dir/ckpt if it holds this same config
     stop_after: int = 0  # stop after this many iterations, checkpointed (0 = run to the end)
 
@@ -191,14 +194,22 @@ def broadcast_weights(trainer, rollout_copy, d):
     group, and every rank unpacks it into its rollout copy. Returns (bytes per receiving rank,
     seconds). Here DDP already keeps every rank's trainer identical, so this traffic stands for the
     real thing: where the rollout engine is a separate inference server (vLLM in OpenRLHF or TRL),
-    the trainer's rank 0 broadcasts into the engines' process group after every update like this."""
+    the trainer's rank 0 broadcasts into the engines' process group after every update like this.
+    With --fsdp, rank 0 holds 1/world of the trainer: every rank first all-gathers its whole
+    weights (gathered), block by block, then the same broadcast follows. That gather is the
+    sharding's price for a refresh: 4 bytes per policy parameter (fp32) per rank, (world - 1) /
+    world of it received from the others, every iteration, on top of the broadcast's (2 bytes per
+    parameter in bf16); at 7B on 8 ranks, 24.5 GiB per rank gathered, 12.2 GiB broadcast. It also
+    holds the whole fp32 policy on each rank while it lasts."""
     t0 = time.perf_counter()
     dst = list(rollout_copy.parameters())  # parameters() yields a tied weight once, in one order
     sizes = [p.numel() for p in dst]
-    if d.rank == 0:
-        flat = torch.cat([p.detach().reshape(-1).to(dst[0].dtype) for p in trainer.parameters()])
-    else:
-        flat = torch.empty(sum(sizes), dtype=dst[0].dtype, device=d.device)
+    with gathered(trainer):
+        if d.rank == 0:
+            flat = torch.cat([p.detach().reshape(-1).to(dst[0].dtype)
+                              for p in trainer.parameters()])
+        else:
+            flat = torch.empty(sum(sizes), dtype=dst[0].dtype, device=d.device)
     if d.world > 1:
         dist.broadcast(flat, src=0)
     with torch.no_grad():
@@ -256,10 +267,12 @@ def main(cfg):
     bf16 = precision(d.device) == "bf16"
     policy, _ = reward.load_trunk(cfg.sft, "lm", d.device)
     ref = freeze(reward.load_trunk(cfg.sft, "lm", d.device)[0], bf16)
+    ref = wrap(ref, d, fsdp=cfg.fsdp)  # the frozen models are sharded too with --fsdp
     critic, rm_meta = reward.load_trunk(cfg.reward_model, "scalar", d.device)
     rm = None  # PPO-GT scores with a Python function: no reward model resident
     if cfg.reward == "model":
-        rm = freeze(reward.load_trunk(cfg.reward_model, "scalar", d.device)[0], bf16)
+        rm = wrap(freeze(reward.load_trunk(cfg.reward_model, "scalar", d.device)[0], bf16), d,
+                  fsdp=cfg.fsdp)
     # The rollout engine: an inference copy of the policy, all bf16 under bf16 autocast (as vLLM
     # serves it), refreshed by broadcast_weights after every iteration's updates
     rollout = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32)
@@ -268,7 +281,8 @@ def main(cfg):
     check(cfg.max_prompt_len < T,
           f"--max_prompt_len {cfg.max_prompt_len} leaves no room in the {T}-token block")
     pv = PolicyAndValue(policy, critic)
-    model = wrap(pv, d, cfg.compile)  # DDP over the ranks, then torch.compile
+    # DDP over the ranks (--fsdp: policy and critic each sharded in place), then torch.compile
+    model = wrap(pv, d, cfg.compile, cfg.fsdp)
 
     # ==== anatomy: what the job holds and what a token costs
     resident = {"policy": policy, "critic": critic, "reference": ref,
@@ -292,7 +306,7 @@ def main(cfg):
     opt = torch.optim.AdamW(pv.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     start, state = resume(ckpt_dir, cfg, {"policy": policy, "critic": critic, "optim": opt},
                           d.device, log.print, inputs,
-                          free=("resume", "stop_after", "eval_k", "compile"))
+                          free=("resume", "stop_after", "eval_k", "compile", "fsdp"))
     kl_coef = state.get("kl_coef", cfg.kl_coef)
     if start:
         broadcast_weights(policy, rollout, d)  # the rollout engine resumes with the restored policy
@@ -302,7 +316,7 @@ def main(cfg):
     log.print(f"rollout {cfg.rollout_batch} = {d.world} ranks x {B} | {cfg.ppo_epochs} epochs x "
               f"{n_mini} minibatches of {cfg.mini_batch} = {d.world} ranks x {accum} accumulation "
               f"x {micro} | reward: {scorer} | device {d.device} | peak {peak / 1e9:.1f} GFLOP/s "
-              f"per rank (measured)")
+              f"per rank (measured)" + (" | sharded (FSDP2)" if sharded(pv) else ""))
 
     # ==== training loop
     end = cfg.iterations if not cfg.stop_after else min(cfg.iterations, start + cfg.stop_after)
@@ -495,9 +509,10 @@ def main(cfg):
         if cfg.adaptive_kl:
             kl_coef = adaptive_kl_coef(kl_coef, metrics["kl"], cfg.kl_target, cfg.kl_horizon,
                                        cfg.rollout_batch)
-        if d.is_main and ((it + 1) % cfg.ckpt_every == 0 or it + 1 == end):
+        if (it + 1) % cfg.ckpt_every == 0 or it + 1 == end:  # written by rank 0
             save_checkpoint(ckpt_dir, it + 1, {"policy": policy, "critic": critic, "optim": opt},
-                            {"config": asdict(cfg), "inputs": inputs, "kl_coef": kl_coef})
+                            {"config": asdict(cfg), "inputs": inputs, "kl_coef": kl_coef},
+                            write=d.is_main)
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
     if end < cfg.iterations:
         log.print(f"stopped after {end - start} iterations (--stop_after); run again to resume "
@@ -508,16 +523,18 @@ def main(cfg):
     # against π_ref's own fp32 copy: the frozen one may hold bf16 weights, which run only under
     # autocast, and sampling runs without
     ref = reward.load_trunk(cfg.sft, "lm", d.device)[0]
-    ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
-                         missing_eos_score=cfg.missing_eos_score,
-                         pool_best=task_pool_best(cfg.eval_prompts))
+    with gathered(policy):  # --fsdp: whole weights for sampling
+        ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d,
+                             k=cfg.eval_k, missing_eos_score=cfg.missing_eos_score,
+                             pool_best=task_pool_best(cfg.eval_prompts))
+    weights = full_state(policy, d.is_main)  # --fsdp: gathered from the shards
     if d.is_main:
         if timed > 0:
             log.print("share of an iteration: "
                       + " | ".join(f"{k} {v:.1%}" for k, v in shares.items()))
         save_model(policy, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "ppo", "iterations": cfg.iterations, "sft": cfg.sft,
-                    "reward": cfg.reward})
+                    "reward": cfg.reward}, weights)
         tok_out = os.path.join(cfg.out_dir, "tokenizer.json")
         shutil.copyfile(os.path.join(os.path.dirname(cfg.sft), "tokenizer.json"), tok_out + ".tmp")
         os.replace(tok_out + ".tmp", tok_out)

@@ -2,6 +2,7 @@
 
     python precompute.py                       # one process: out/ref_logps/{train,val}.safetensors
     torchrun --nproc_per_node=8 precompute.py  # the pairs sharded over 8 ranks: the same files
+    torchrun --nproc_per_node=8 precompute.py --fsdp   # π_ref sharded too: 1/8 of it per rank
     python precompute.py --help                # e.g. --ref_model my/model.safetensors --max_len 128
     python precompute.py --ref_model R --train_pairs my.jsonl --val_pairs my_val.jsonl
                                                # your pairs: a folder of their own (cache_dir)
@@ -32,7 +33,7 @@ import sft
 from model import estimate_flops, freeze, load_model, model_flops, sequence_logprobs
 from plumbing import (Logger, all_reduce_sum, autocast, barrier, check, check_finite_weights,
                       init_distributed, parse_config, precision, prepare_outputs, require_stage,
-                      save_safetensors, sha256, teardown)
+                      save_safetensors, sha256, sharded, teardown, wrap)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Config:
     max_len: int = 64  # tokens of prompt + response, BOS and EOS included; longer pairs are cut
     max_prompt_len: int = 16  # a cut prompt keeps at least this many tokens (data.tokenize_pairs)
     micro_batch_size: int = 64  # pairs per forward (2x rows: [chosen; rejected])
+    fsdp: bool = False  # shard π_ref's weights over the ranks (FSDP2); the same cache either way
 
 
 # What the numbers depend on beyond the files and the flags. Whoever changes the truncation rule in
@@ -167,12 +169,19 @@ def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
     examples = sorted(examples, key=data.longest_row)
     batches = [examples[i:i + micro_batch_size]
                for i in range(0, len(examples), micro_batch_size)]
-    for rows in batches[d.rank::d.world]:
+    mine = batches[d.rank::d.world]
+    # --fsdp: a sharded model's forward is a collective (each block's weights are all-gathered), so
+    # every rank runs as many forwards: one short of batches reruns its last and drops the result
+    turns = -(-len(batches) // d.world) if sharded(model) else len(mine)
+    for j in range(turns):
+        rows = mine[min(j, len(mine) - 1)] if mine else batches[0]
         b = data.collate_pairs(rows, pad)
         x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
         idx = b["index"].to(d.device)
         with autocast(d.device):  # the same precision dpo.py's training forward uses
             logp = pair_logps(model, x, y).float()  # (2B,)
+        if j >= len(mine):
+            continue
         B = len(rows)
         acc[0, idx], acc[1, idx], acc[2, idx] = logp[:B], logp[B:], acc[2, idx] + 1
         K, real = int((y != -100).sum()), (x != pad).sum(1)
@@ -253,6 +262,7 @@ def main(cfg):
     model, _ = load_model(cfg.ref_model, d.device)
     check_finite_weights(model, cfg.ref_model)
     model = freeze(model, precision(d.device) == "bf16")
+    model = wrap(model, d, fsdp=cfg.fsdp)  # sharded with --fsdp (frozen: no DDP otherwise)
     check(cfg.max_len <= model.config.block_size,
           f"--max_len {cfg.max_len} > π_ref's block_size {model.config.block_size}")
     for split, pairs in (("train", cfg.train_pairs), ("val", cfg.val_pairs)):
@@ -274,7 +284,8 @@ def main(cfg):
             f"prompts and {stats['truncated_response']} responses truncated, "
             f"{stats['unusable']} unusable) | {cost['tokens']} tokens ({cost['positions']} "
             f"positions with padding) | {cost['flops'] / 1e9:.2f} GFLOP | "
-            f"{cost['wall_s']:.2f} s on {d.world} rank(s)")
+            f"{cost['wall_s']:.2f} s on {d.world} rank(s)"
+            + (" | π_ref sharded (FSDP2)" if sharded(model) else ""))
     barrier(d)  # the files are on disk before any rank returns (dpo.py reads them next)
     teardown(d)
 

@@ -3,6 +3,7 @@
 
     python reward.py                          # one process; builds out/sft if missing
     torchrun --nproc_per_node=8 reward.py     # plain DDP over 8 ranks (nccl on GPUs, gloo on CPUs)
+    torchrun --nproc_per_node=8 reward.py --fsdp   # FSDP2: each rank holds 1/8 of the model state
     python reward.py --help                   # every flag, e.g. --train_pairs my_pairs.jsonl
 
 r_φ is π_ref's transformer with a scalar head, read at the last token of prompt + response (the EOS
@@ -26,10 +27,11 @@ import data
 import sft
 from model import GPT, estimate_flops, generate, matmul_shapes, model_flops, read_meta, save_model
 from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
-                      check_finite_weights, init_distributed, input_fingerprint, lr_at,
+                      check_finite_weights, full_state, gathered, init_distributed,
+                      input_fingerprint, lr_at,
                       measure_peak_flops, parse_config, prepare_outputs, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_diverged,
-                      stop_if_not_finite, sync_grads, teardown, wrap)
+                      require_stage, resume, save_checkpoint, sharded, split_batch,
+                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Config:
     ckpt_every: int = 100  # steps between checkpoints (and one at the end)
     offset_samples: int = 512  # π_ref completions scored to find the offset
     seed: int = 1337  # data order and sampling
+    fsdp: bool = False  # shard weights, grads and AdamW state over the ranks (FSDP2), not DDP
     resume: bool = True  # continue from out_dir/ckpt if it holds this same config
     stop_after: int = 0  # stop after this many steps of this run, checkpointed (0 = run to the end)
 
@@ -130,7 +133,8 @@ def val_metrics(model, examples, pad, cfg, d):
     micro-batch is padded only to its own longest row."""
     model.eval()
     mine = sorted(examples, key=data.longest_row)[d.rank::d.world]
-    rc, rr = pair_scores(model, mine, pad, cfg.micro_batch_size, d.device)
+    with gathered(model):  # --fsdp: whole weights on every rank; ranks run unequal counts
+        rc, rr = pair_scores(model, mine, pad, cfg.micro_batch_size, d.device)
     s = reduce_sums(d, correct=((rc > rr).float() + 0.5 * (rc == rr).float()).sum(),
                     loss=-F.logsigmoid(rc - rr).sum(), n=len(rc))
     model.train()
@@ -208,18 +212,19 @@ def main(cfg):
     lengths = [data.longest_row(e) for e in train]  # to sort each batch by length
 
     # ---- model, optimizer, resume
+    # DDP over the ranks (--fsdp: sharded in place, raw_model with it, so before the optimizer)
+    model = wrap(raw_model, d, fsdp=cfg.fsdp)
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
     start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
                           inputs)
     first_loss = state.get("first_loss")  # the divergence guard's scale, kept across resumes
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
-    model = wrap(raw_model, d)  # DDP over the ranks
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     mb = cfg.batch_size // d.world // accum
     peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * block))
     log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | "
               f"batch {cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {mb} | "
-              f"device {d.device}")
+              f"device {d.device}" + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
 
     # ---- training loop
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
@@ -274,9 +279,10 @@ def main(cfg):
         if (step + 1) % 10 == 0 or "val_loss" in metrics or step == 0:
             log.log(step + 1, cfg.steps, metrics, show=("loss", "accuracy", "val_loss",
                                                         "val_accuracy", "grad_norm", "time/step"))
-        if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
+        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:  # written by rank 0
             save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
-                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss})
+                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss},
+                            write=d.is_main)
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
     if end < cfg.steps:
         log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from "
@@ -293,19 +299,22 @@ def main(cfg):
     ref, _ = load_trunk(cfg.sft, "lm", d.device)
     prompts = data.read_prompts(cfg.prompts)[:cfg.offset_samples]
     raw_model.eval()
-    s = ref_scores(raw_model, ref, tok, prompts, d, cfg.seed)
+    with gathered(raw_model):  # --fsdp: whole weights for scoring
+        s = ref_scores(raw_model, ref, tok, prompts, d, cfg.seed)
     mean = lambda k: s[k] / s["n"]  # noqa: E731
     offset, std = mean("r"), max(mean("r2") - mean("r") ** 2, 0.0) ** 0.5
     t_std = max(mean("t2") - mean("t") ** 2, 0.0) ** 0.5
     corr = (mean("rt") - mean("r") * mean("t")) / max(std * t_std, 1e-12)
     with torch.no_grad():  # folded into the head, so every reader (PPO, its critic) gets it
-        raw_model.score.bias -= offset
+        raw_model.score.bias -= offset  # (--fsdp: into the shards, outside gathered)
     result = {"val_accuracy": val_acc, "val_loss": val_loss, "oracle_val_accuracy": oracle,
               "offset": offset, "ref_score_std": std, "ref_true_reward_corr": corr,
               "steps": cfg.steps}
+    weights = full_state(raw_model, d.is_main)  # --fsdp: gathered from the shards
     if d.is_main:
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
-                   {"stage": "reward", "sft": cfg.sft, "train_pairs": cfg.train_pairs, **result})
+                   {"stage": "reward", "sft": cfg.sft, "train_pairs": cfg.train_pairs, **result},
+                   weights)
         atomic_write_json(os.path.join(cfg.out_dir, "eval.json"), result)
         log.print(f"val accuracy {val_acc:.3f} (the true reward gets {oracle:.3f} of these noisy "
                   f"labels) | π_ref's completions scored {offset:+.3f} ± {std:.3f} before the "

@@ -2,6 +2,7 @@
 
     python sft.py                          # one process, CPU or one GPU, the built-in task
     torchrun --nproc_per_node=8 sft.py     # plain DDP over 8 ranks (nccl on GPUs, gloo on CPUs)
+    torchrun --nproc_per_node=8 sft.py --fsdp   # FSDP2: each rank holds 1/8 of the model state
     python sft.py --help                   # every flag, e.g. --train_text my.txt --tokenizer t.json
 
 Writes out/sft/: model.safetensors (π_ref, where DPO and PPO both start), tokenizer.json,
@@ -20,10 +21,11 @@ import data
 from model import (GPT, GPTConfig, estimate_flops, import_gpt2, matmul_shapes, model_flops,
                    save_model, sequence_logprobs)
 from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
-                      compile_metrics, init_distributed, input_fingerprint, lr_at,
-                      measure_peak_flops, parse_config, prepare_outputs, reduce_sums,
-                      require_stage, resume, save_checkpoint, split_batch, stop_if_diverged,
-                      stop_if_not_finite, sync_grads, teardown, wrap)
+                      compile_metrics, full_state, gathered, init_distributed,
+                      input_fingerprint, lr_at, measure_peak_flops, parse_config,
+                      prepare_outputs, reduce_sums,
+                      require_stage, resume, save_checkpoint, sharded, split_batch,
+                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Config:
     ckpt_every: int = 200  # steps between checkpoints (and one at the end)
     seed: int = 1337  # model init and data order
     compile: bool = False  # torch.compile the model (worth it on CUDA)
+    fsdp: bool = False  # shard weights, grads and AdamW state over the ranks (FSDP2), not DDP
     resume: bool = True  # continue from out_dir/ckpt if it holds this same config
     stop_after: int = 0  # stop after this many steps of this run, checkpointed (0 = run to the end)
 
@@ -63,18 +66,20 @@ def build_task(d):
 
 
 @torch.no_grad()
+@torch.no_grad()
 def val_loss(model, examples, cfg, d, pad):
     """Mean NLL per predicted token over all val texts, each rank taking every world-th text (in
     order of length: each micro-batch is padded only to its own longest)."""
     model.eval()
     nll = n = 0.0
     mine, mb = sorted(examples, key=data.longest_row)[d.rank::d.world], cfg.micro_batch_size
-    for i in range(0, len(mine), mb):
-        x, y = data.collate([(e["prompt"], e["response"]) for e in mine[i:i + mb]], pad)
-        x, y = x.to(d.device), y.to(d.device)
-        with autocast(d.device):
-            logp = sequence_logprobs(model, x, y)
-        nll, n = nll - logp.sum(), n + (y != -100).sum()
+    with gathered(model):  # --fsdp: whole weights on every rank; ranks run unequal counts
+        for i in range(0, len(mine), mb):
+            x, y = data.collate([(e["prompt"], e["response"]) for e in mine[i:i + mb]], pad)
+            x, y = x.to(d.device), y.to(d.device)
+            with autocast(d.device):
+                logp = sequence_logprobs(model, x, y)
+            nll, n = nll - logp.sum(), n + (y != -100).sum()
     s = reduce_sums(d, nll=nll, n=n)
     model.train()
     return s["nll"] / s["n"]
@@ -131,18 +136,21 @@ def main(cfg):
                                   n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                                   dropout=cfg.dropout))
     raw_model.to(d.device)
+    # DDP over the ranks (--fsdp: sharded in place, raw_model with it, so before the optimizer),
+    # then torch.compile
+    model = wrap(raw_model, d, cfg.compile, cfg.fsdp)
     opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
     start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
                           inputs)
     first_loss = state.get("first_loss")  # the divergence guard's scale, kept across resumes
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
-    model = wrap(raw_model, d, cfg.compile)  # DDP over the ranks, then torch.compile
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     mb = cfg.batch_size // d.world // accum
     peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, mb * cfg.block_size))
     log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | "
               f"batch {cfg.batch_size} = {d.world} ranks x {accum} accumulation x {mb} | device "
-              f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)")
+              f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)"
+              + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
 
     # ---- training loop
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
@@ -191,9 +199,10 @@ def main(cfg):
         if (step + 1) % 10 == 0 or "val_loss" in metrics or step == 0:
             log.log(step + 1, cfg.steps, metrics,
                     show=("loss", "val_loss", "grad_norm", "lr", "time/step"))
-        if d.is_main and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
+        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:  # written by rank 0
             save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
-                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss})
+                            {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss},
+                            write=d.is_main)
     if end < cfg.steps:
         log.print(f"stopped after {end - start} steps (--stop_after); run again to resume from "
                   f"step {end}")
@@ -201,6 +210,7 @@ def main(cfg):
 
     # ---- outputs: π_ref and its evaluation
     final = val_loss(model, val, cfg, d, tok.pad)
+    weights = full_state(raw_model, d.is_main)  # --fsdp: gathered from the shards
     if d.is_main:
         task = os.path.join(os.path.dirname(cfg.val_text), "task.json")
         floor = None
@@ -210,7 +220,7 @@ def main(cfg):
                 floor = json.load(f).get("floor_nats_per_token")
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "sft", "step": cfg.steps, "val_loss": final,
-                    "train_text": cfg.train_text})
+                    "train_text": cfg.train_text}, weights)
         tok_out = os.path.join(cfg.out_dir, "tokenizer.json")
         shutil.copyfile(cfg.tokenizer, tok_out + ".tmp")
         os.replace(tok_out + ".tmp", tok_out)
