@@ -3091,11 +3091,14 @@ def test_checkpoint_and_cache_files_get_the_mode_of_the_json_beside_them(tmp_pat
         precompute.save_ref_logps(str(tmp_path / "train.safetensors"), torch.zeros(2, 3), {}, {},
                                   {})
         plumbing.atomic_write_json(str(tmp_path / "eval.json"), {})
+        save_model(GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=4)),
+                   str(tmp_path / "model.safetensors"), {})
     finally:
         os.umask(old)
     mode = lambda p: os.stat(tmp_path / p).st_mode & 0o777  # noqa: E731
     assert mode("eval.json") == 0o640  # 0666 less the umask, as open() gives
-    for p in ("ckpt/step-0000001.safetensors", "ckpt/latest.json", "train.safetensors"):
+    for p in ("ckpt/step-0000001.safetensors", "ckpt/latest.json", "train.safetensors",
+              "model.safetensors"):
         assert mode(p) == 0o640, p  # safetensors alone would leave 0600
 
 
