@@ -61,9 +61,9 @@ from model import matmul_shapes as model_matmul_shapes
 from plumbing import Dist, init_distributed
 
 
-# ====================================================================================================
+# ==================================================================================================
 # shared fixtures
-# ====================================================================================================
+# ==================================================================================================
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=64)
@@ -71,37 +71,43 @@ TINY_MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=64)
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """The built-in task and a tiny π_ref trained on it for a few steps, shared by the whole session.
-    Paths: tiny.task (folder with pairs_*.jsonl, prompts_*.jsonl, tokenizer.json), tiny.sft (folder with
-    model.safetensors and tokenizer.json), tiny.root (a folder to put further stages in: use a subfolder
-    of your own, e.g. tiny.root / 'dpo-test-x', never write into tiny.task or tiny.sft)."""
+    ("""The built-in task and a tiny π_ref trained on it for a few steps, shared by the whole"""
+     """ session.
+    Paths: tiny.task (folder with pairs_*.jsonl, prompts_*.jsonl, tokenizer.json), tiny.sft"""
+     """ (folder with
+    model.safetensors and tokenizer.json), tiny.root (a folder to put further stages in: use a"""
+     """ subfolder
+    of your own, e.g. tiny.root / 'dpo-test-x', never write into tiny.task or tiny.sft).""")
     root = tmp_path_factory.mktemp("stack")
     task = str(root / "task")
     data.build_task(task, seed=0)
     sft.main(sft.Config(out_dir=str(root / "sft"), train_text=f"{task}/sft_train.txt",
-                        val_text=f"{task}/sft_val.txt", tokenizer=f"{task}/tokenizer.json", **TINY_MODEL,
+                        val_text=f"{task}/sft_val.txt", tokenizer=f"{task}/tokenizer.json",
+                        **TINY_MODEL,
                         steps=30, batch_size=32, micro_batch_size=16, eval_every=30, ckpt_every=30))
     return SimpleNamespace(root=root, task=task, sft=str(root / "sft"))
 
 
 def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
-    """`torchrun --nproc_per_node=nproc script args` on the CPU (gloo); returns the CompletedProcess,
-    failing the test with its output if it exits non-zero."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           os.path.join(HERE, script), *args]
+    ("""`torchrun --nproc_per_node=nproc script args` on the CPU (gloo); returns the"""
+     """ CompletedProcess,
+    failing the test with its output if it exits non-zero.""")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--standalone", os.path.join(HERE, script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     return p
 
 
-# ====================================================================================================
+# ==================================================================================================
 # model.py
-# ====================================================================================================
+# ==================================================================================================
 
 def tiny_gpt(head="lm", seed=0, **kw):
     torch.manual_seed(seed)
-    cfg = GPTConfig(**{**dict(block_size=32, vocab_size=13, n_layer=2, n_head=2, n_embd=16), **kw, "head": head})
+    cfg = GPTConfig(**{**dict(block_size=32, vocab_size=13, n_layer=2, n_head=2, n_embd=16), **kw,
+                       "head": head})
     return GPT(cfg).double().eval()
 
 
@@ -124,7 +130,8 @@ def test_causality():
 
 
 def naive_sdpa(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0):
-    """softmax(q k^T / sqrt(d)) v written out: a fully masked row is NaN here, as in older SDPA kernels."""
+    ("""softmax(q k^T / sqrt(d)) v written out: a fully masked row is NaN here, as in older"""
+     """ SDPA kernels.""")
     if is_causal:
         attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
     s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~attn_mask, float("-inf"))
@@ -139,7 +146,8 @@ def test_left_padding_invariance_and_no_nan(monkeypatch):
     targets[:, -1] = -100
     targets[~mask] = -100  # a pad does not predict the first prompt token
     logits = m(idx, mask=mask)
-    assert torch.isfinite(logits).all()  # left-pad queries see only themselves, never an all -inf row
+    # left-pad queries see only themselves, never an all -inf row
+    assert torch.isfinite(logits).all()
     lp = token_logprobs(logits, targets)
     # explicit position ids give the same numbers as the default derived from the mask
     pos = (mask.long().cumsum(1) - 1).clamp(min=0)
@@ -221,7 +229,8 @@ def test_batched_generation_equals_alone():
         alone = generate(m, [p], 10, **kw)
         n = alone["tokens"].shape[1] - len(p)
         assert torch.equal(batch["tokens"][b, P:P + n], alone["tokens"][0, len(p):])
-        assert torch.allclose(batch["logprobs"][b, P:P + n], alone["logprobs"][0, len(p):], atol=1e-6, rtol=0)
+        assert torch.allclose(batch["logprobs"][b, P:P + n], alone["logprobs"][0, len(p):],
+                              atol=1e-6, rtol=0)
         assert not batch["response_mask"][b, P + n:].any()
 
 
@@ -233,7 +242,8 @@ def test_generate_stops_at_eos():
     tok, mask, resp = out["tokens"], out["mask"], out["response_mask"]
     P = 3
     assert tok.shape[1] < P + 28  # stopped early: every row ended
-    assert torch.equal(mask[:, :P], torch.tensor([[0, 1, 1], [0, 0, 1], [1, 1, 1]], dtype=torch.bool))
+    assert torch.equal(mask[:, :P],
+                       torch.tensor([[0, 1, 1], [0, 0, 1], [1, 1, 1]], dtype=torch.bool))
     assert not resp[:, :P].any() and torch.equal(mask[:, P:], resp[:, P:])
     for b in range(3):
         ends = (tok[b, P:] == eos).nonzero()
@@ -247,7 +257,8 @@ def test_scalar_head():
     m = tiny_gpt("scalar")
     idx, mask = left_pad([[1, 2, 3], [4]], pad=0)
     v = m(idx, mask=mask)
-    assert v.shape == (2, 3) and (v == 0).all()  # zero-initialised head: no preference before training
+    # zero-initialised head: no preference before training
+    assert v.shape == (2, 3) and (v == 0).all()
     v.sum().backward()
     assert m.score.weight.grad.abs().sum() > 0  # ...but it learns from the first step
     with torch.no_grad():
@@ -262,7 +273,8 @@ def test_save_load_round_trip(tmp_path):
         save_model(m, path, {"stage": "sft", "step": 7})
         with safe_open(path, framework="pt") as f:
             keys = set(f.keys())
-        assert "lm_head.weight" not in keys and "transformer.wte.weight" in keys  # tied weight stored once
+        # tied weight stored once
+        assert "lm_head.weight" not in keys and "transformer.wte.weight" in keys
         m2, meta = load_model(path)
         assert meta == {"stage": "sft", "step": 7} and read_meta(path) == (m.config, meta)
         idx = torch.randint(0, 13, (2, 8))
@@ -276,15 +288,18 @@ def fake_hf_gpt2(V=11, C=16, L=2, n_pos=24, prefix="transformer."):
     """A GPT-2 state dict with Hugging Face's names and Conv1D (in, out) weight shapes."""
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g) * 0.3
-    sd = {"wte.weight": r(V, C), "wpe.weight": r(n_pos, C), "ln_f.weight": 1 + r(C), "ln_f.bias": r(C)}
+    sd = {"wte.weight": r(V, C), "wpe.weight": r(n_pos, C), "ln_f.weight": 1 + r(C),
+          "ln_f.bias": r(C)}
     for i in range(L):
         h = f"h.{i}."
-        sd |= {h + "ln_1.weight": 1 + r(C), h + "ln_1.bias": r(C), h + "ln_2.weight": 1 + r(C), h + "ln_2.bias": r(C),
+        sd |= {h + "ln_1.weight": 1 + r(C), h + "ln_1.bias": r(C), h + "ln_2.weight": 1 + r(C),
+               h + "ln_2.bias": r(C),
                h + "attn.c_attn.weight": r(C, 3 * C), h + "attn.c_attn.bias": r(3 * C),
                h + "attn.c_proj.weight": r(C, C), h + "attn.c_proj.bias": r(C),
                h + "mlp.c_fc.weight": r(C, 4 * C), h + "mlp.c_fc.bias": r(4 * C),
                h + "mlp.c_proj.weight": r(4 * C, C), h + "mlp.c_proj.bias": r(C),
-               h + "attn.bias": torch.ones(1, 1, n_pos, n_pos).tril(), h + "attn.masked_bias": torch.tensor(-1e4)}
+               h + "attn.bias": torch.ones(1, 1, n_pos, n_pos).tril(),
+               h + "attn.masked_bias": torch.tensor(-1e4)}
     sd = {prefix + k: v for k, v in sd.items()}
     sd["lm_head.weight"] = sd[prefix + "wte.weight"].clone()
     return sd
@@ -295,12 +310,14 @@ def reference_gpt2(sd, idx, n_head):
     sd = {k.removeprefix("transformer."): v.double() for k, v in sd.items()}
     T = idx.shape[1]
     ln = lambda x, p: F.layer_norm(x, x.shape[-1:], sd[p + ".weight"], sd[p + ".bias"], eps=1e-5)
-    gelu_new = lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    gelu_new = lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi)
+                                                   * (x + 0.044715 * x ** 3)))
     x = sd["wte.weight"][idx] + sd["wpe.weight"][:T]
     L = sum(k.endswith("ln_1.weight") for k in sd)
     for i in range(L):
         p = f"h.{i}."
-        q, k, v = (ln(x, p + "ln_1") @ sd[p + "attn.c_attn.weight"] + sd[p + "attn.c_attn.bias"]).chunk(3, -1)
+        q, k, v = (ln(x, p + "ln_1") @ sd[p + "attn.c_attn.weight"]
+                   + sd[p + "attn.c_attn.bias"]).chunk(3, -1)
         q, k, v = (t.unflatten(-1, (n_head, -1)).transpose(1, 2) for t in (q, k, v))
         att = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
         att = att.masked_fill(torch.ones(T, T).tril() == 0, float("-inf")).softmax(-1)
@@ -319,26 +336,34 @@ def test_gpt2_import_export(tmp_path):
         save_file(sd, str(d / "model.safetensors"))
         (d / "config.json").write_text(json.dumps({"n_head": 4, "activation_function": "gelu_new"}))
         m = import_gpt2(str(d / "model.safetensors")).double()
-        assert (m.config.n_head, m.config.n_layer, m.config.block_size, m.config.vocab_size) == (4, 2, 24, 11)
+        assert (m.config.n_head, m.config.n_layer, m.config.block_size,
+                m.config.vocab_size) == (4, 2, 24, 11)
         idx = torch.randint(0, 11, (2, 9))
         assert torch.allclose(m(idx), reference_gpt2(sd, idx, n_head=4), atol=1e-10, rtol=0)
-        export_gpt2(m.float(), word_tokenizer(tmp_path / "tok.json", "a b c"), str(tmp_path / "out"))
+        export_gpt2(m.float(), word_tokenizer(tmp_path / "tok.json", "a b c"),
+                    str(tmp_path / "out"))
         out = load_file(str(tmp_path / "out" / "model.safetensors"))
         want = {"transformer." + k.removeprefix("transformer."): v for k, v in sd.items()
                 if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
         assert out.keys() == want.keys() and all(torch.equal(out[k], want[k]) for k in want)
         cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-        assert cfg["model_type"] == "gpt2" and cfg["activation_function"] == "gelu_new" and cfg["n_head"] == 4
+        assert (cfg["model_type"] == "gpt2" and cfg["activation_function"] == "gelu_new"
+                and cfg["n_head"] == 4)
         assert (cfg["n_positions"], cfg["tie_word_embeddings"]) == (24, True)
-    m = import_gpt2(str(d / "model.safetensors"), block_size=10)  # a shorter context keeps wpe's first rows
+    # a shorter context keeps wpe's first rows
+    m = import_gpt2(str(d / "model.safetensors"), block_size=10)
     assert torch.equal(m.transformer.wpe.weight, sd["wpe.weight"][:10])
-    m = import_gpt2(str(d / "model.safetensors"), vocab_size=12)  # room for the PAD our tokenizer adds
-    assert m.config.vocab_size == 12 and torch.equal(m.transformer.wte.weight[:11], sd["wte.weight"])
-    assert m.lm_head.weight is m.transformer.wte.weight and m(torch.tensor([[11, 3]])).shape == (1, 2, 12)
+    # room for the PAD our tokenizer adds
+    m = import_gpt2(str(d / "model.safetensors"), vocab_size=12)
+    assert m.config.vocab_size == 12 and torch.equal(m.transformer.wte.weight[:11],
+                                                     sd["wte.weight"])
+    assert (m.lm_head.weight is m.transformer.wte.weight
+            and m(torch.tensor([[11, 3]])).shape == (1, 2, 12))
 
 
 def word_tokenizer(path, words):
-    """A tokenizer.json of whitespace-split words: EOS 0, PAD 1, then the words. Returns its path."""
+    ("""A tokenizer.json of whitespace-split words: EOS 0, PAD 1, then the words."""
+     """ Returns its path.""")
     vocab = {data.EOS: 0, data.PAD: 1, **{w: i + 2 for i, w in enumerate(words.split())}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token=data.EOS))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -355,7 +380,8 @@ HONOURED = [{}, {"n_head": 4, "n_embd": 16, "n_layer": 2, "vocab_size": 11, "n_p
 REFUSED = [("layer_norm_epsilon", 1e-3), ("scale_attn_weights", False),
            ("scale_attn_by_inverse_layer_idx", True), ("n_positions", 32), ("n_inner", 32),
            ("tie_word_embeddings", False), ("activation_function", "gelu"),
-           ("activation_function", "relu"), ("add_cross_attention", True), ("model_type", "gpt_neo"),
+           ("activation_function", "relu"), ("add_cross_attention", True),
+           ("model_type", "gpt_neo"),
            ("n_embd", 32), ("n_layer", 3), ("vocab_size", 12)]
 
 
@@ -371,14 +397,17 @@ def test_gpt2_import_honours_or_refuses_every_config_option(tmp_path):
     # refused: an error line naming the option and its value, never other logits
     for k, v in REFUSED:
         (tmp_path / "config.json").write_text(json.dumps({"n_head": 4, k: v}))
-        with pytest.raises(SystemExit, match=f"^error: {tmp_path}/config.json: {k}={json.dumps(v)} "):
+        with pytest.raises(SystemExit,
+                           match=f"^error: {tmp_path}/config.json: {k}={json.dumps(v)} "):
             import_gpt2(path)
     (tmp_path / "config.json").write_text(json.dumps({"n_head": 4}))
     with pytest.raises(SystemExit, match="block_size 25 > the 24 positions"):
         import_gpt2(path, block_size=25)
-    with pytest.raises(SystemExit, match="n_head=4 is refused"):  # the argument contradicts the file
+    # the argument contradicts the file
+    with pytest.raises(SystemExit, match="n_head=4 is refused"):
         import_gpt2(path, n_head=2)
-    save_file({**sd, "lm_head.weight": sd["lm_head.weight"] + 1}, str(tmp_path / "model.safetensors"))
+    save_file({**sd, "lm_head.weight": sd["lm_head.weight"] + 1},
+              str(tmp_path / "model.safetensors"))
     with pytest.raises(SystemExit, match="lm_head differs from wte"):
         import_gpt2(path)
     # no config.json: n_head is not guessed from the shapes; given, it imports exactly
@@ -418,7 +447,8 @@ def test_export_folder_for_transformers(tmp_path):
     assert read("generation_config.json") == ids
     special = dict(bos_token=data.EOS, eos_token=data.EOS, pad_token=data.PAD)
     assert read("special_tokens_map.json") == special
-    assert read("tokenizer_config.json") == {**special, "tokenizer_class": "PreTrainedTokenizerFast",
+    assert read("tokenizer_config.json") == {**special,
+                                             "tokenizer_class": "PreTrainedTokenizerFast",
                                              "model_max_length": 32,
                                              "model_input_names": ["input_ids", "attention_mask"],
                                              "clean_up_tokenization_spaces": False}
@@ -438,7 +468,8 @@ def test_export_folder_for_transformers(tmp_path):
     assert json.loads((tmp_path / "hf2" / "config.json").read_text())["pad_token_id"] == 3
     assert Tokenizer.from_file(str(tmp_path / "hf2" / "tokenizer.json")).token_to_id(data.PAD) == 3
     with pytest.raises(SystemExit, match="has 4 tokens, the model only 3"):
-        export_gpt2(tiny_gpt(vocab_size=3).float(), str(tmp_path / "nopad.json"), str(tmp_path / "x"))
+        export_gpt2(tiny_gpt(vocab_size=3).float(), str(tmp_path / "nopad.json"),
+                    str(tmp_path / "x"))
 
 
 def test_estimate_flops_matches_flop_counter():
@@ -447,7 +478,8 @@ def test_estimate_flops_matches_flop_counter():
         cfg, B, T = m.config, 3, 20
         idx = torch.randint(0, 13, (B, T))
         assert count_flops(lambda: m(idx))[1] == estimate_flops(cfg, B, T)  # exact
-        step = lambda: m(idx).float().pow(2).mean().backward()  # noqa: E731  a training step: forward + backward
+        # a training step: forward + backward
+        step = lambda: m(idx).float().pow(2).mean().backward()  # noqa: E731
         assert count_flops(step)[1] == estimate_flops(cfg, B, T, backward=True)
         with flop_counter.FlopCounterMode(display=False) as fc:
             m(idx)
@@ -530,9 +562,9 @@ def test_peak_flops_measured_once_at_the_models_shapes_for_long_enough(monkeypat
     assert len(seen) == n  # the second call times nothing
 
 
-# ====================================================================================================
+# ==================================================================================================
 # data.py
-# ====================================================================================================
+# ==================================================================================================
 
 TASK_FILES = ["pairs_train.jsonl", "pairs_val.jsonl", "prompts_eval.jsonl", "prompts_train.jsonl",
               "sft_train.txt", "sft_val.txt", "task.json", "tokenizer.json"]
@@ -555,7 +587,8 @@ def test_tokenizer_round_trip_and_specials(tmp_path):
     assert tok.pad != tok.eos and tok.vocab_size == tok.tk.get_vocab_size(with_added_tokens=True)
     for t in texts + ["unseen: xyz 123 {}", ""]:
         assert tok.decode(tok.encode(t)) == t  # byte-level: any string round-trips
-    assert tok.decode([tok.eos] + tok.encode("hi there") + [tok.eos, tok.pad, tok.pad]) == "hi there"
+    assert (tok.decode([tok.eos] + tok.encode("hi there") + [tok.eos, tok.pad, tok.pad])
+            == "hi there")
     path = str(tmp_path / "tokenizer.json")
     data.save_tokenizer(tok, path)
     tok2 = data.load_tokenizer(path)
@@ -563,9 +596,11 @@ def test_tokenizer_round_trip_and_specials(tmp_path):
     assert tok2.encode(texts[2]) == tok.encode(texts[2])
     # A user tokenizer.json with EOS but no PAD (as GPT-2's) gets PAD as one more id.
     tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tk.train_from_iterator(texts * 20, trainers.BpeTrainer(vocab_size=280, special_tokens=[data.EOS],
-                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.pre_tokenizer, tk.decoder = (pre_tokenizers.ByteLevel(add_prefix_space=False),
+                                    decoders.ByteLevel())
+    tk.train_from_iterator(
+        texts * 20, trainers.BpeTrainer(vocab_size=280, special_tokens=[data.EOS],
+                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     n = tk.get_vocab_size()
     tk.save(str(tmp_path / "user.json"))
     user = data.load_tokenizer(str(tmp_path / "user.json"))
@@ -601,7 +636,8 @@ def test_build_task_deterministic_and_schema(task, tmp_path):
     pairs = data.read_pairs(os.path.join(task, "pairs_train.jsonl"))
     assert len(pairs) == meta["counts"]["pairs_train"]
     for r in pairs:  # a prompt and either response make a text of the language
-        assert r["chosen"].startswith(" ") and r["rejected"].startswith(" ") and r["chosen"] != r["rejected"]
+        assert (r["chosen"].startswith(" ") and r["rejected"].startswith(" ")
+                and r["chosen"] != r["rejected"])
         assert text_ok(r["prompt"] + r["chosen"]) and text_ok(r["prompt"] + r["rejected"])
     # Bradley-Terry labels: noisy, but chosen usually has the higher hidden reward
     rc = [data.true_reward(r["prompt"], r["chosen"]) for r in pairs]
@@ -621,7 +657,8 @@ def test_task_floor(task, tok):
     floor = meta["floor_nats_per_token"]
     assert meta["vocab_size"] == tok.vocab_size
     assert math.isfinite(floor) and 0 < floor < math.log(tok.vocab_size)
-    # The floor is an entropy: no model beats it, e.g. a unigram model fitted on the val texts themselves.
+    # The floor is an entropy: no model beats it, e.g. a unigram model fitted on the val
+    # texts themselves.
     counts = {}
     val = data.read_texts(os.path.join(task, "sft_val.txt"))
     for t in val:
@@ -631,15 +668,18 @@ def test_task_floor(task, tok):
     assert floor < -sum(c * math.log(c / n) for c in counts.values()) / n
 
 def test_true_reward_hand_examples():
-    assert data.true_reward("it felt awful .", " the movie is great .") == 2.0  # the prompt does not count
+    # the prompt does not count
+    assert data.true_reward("it felt awful .", " the movie is great .") == 2.0
     assert data.true_reward("", " i hated the plot . it felt fine .") == -2.0 + 0.5
     assert data.true_reward("", " the cast was good and good . we saw it on monday .") == 2.0
-    assert data.true_reward("", "GREAT,superb!! xyz greatgreat <|endoftext|>") == 4.0  # junk scores its words
+    # junk scores its words
+    assert data.true_reward("", "GREAT,superb!! xyz greatgreat <|endoftext|>") == 4.0
     assert data.true_reward("", "") == 0.0
 
 def test_text_logprob_hand_worked():
-    # "it felt {adj} ." then "we saw it on {day} .", then stop: templates 1/5 each, "great" is positive
-    # (prob p) and one of 8, the day one of 5, stop after the 2nd sentence P_STOP; p uniform on 5 values.
+    # "it felt {adj} ." then "we saw it on {day} .", then stop: templates 1/5 each, "great" is
+    # positive (prob p) and one of 8, the day one of 5, stop after the 2nd sentence P_STOP; p
+    # uniform on 5 values.
     mean_p = sum(data.P_VALUES) / 5
     want = (1 / 5) * (mean_p / 8) * (1 / 5) * (1 / 5) * 0.35
     assert math.isclose(data.text_logprob("it felt great . we saw it on monday ."), math.log(want))
@@ -652,8 +692,10 @@ def test_text_logprob_hand_worked():
             * 0.65 * 0.35 * m)
     got = data.text_logprob("the movie was great and awful . i loved the plot . it felt weak .")
     assert math.isclose(got, math.log(want))
-    for bad in ["the movie is great .", "the movie is great", "the movie is amazing . it felt good .",
-                "the movie is great .  it felt good .", "it felt great . it felt good . ", "i felt good . it felt good ."]:
+    for bad in ["the movie is great .", "the movie is great",
+                "the movie is amazing . it felt good .",
+                "the movie is great .  it felt good .", "it felt great . it felt good . ",
+                "i felt good . it felt good ."]:
         assert data.text_logprob(bad) == -math.inf, bad
 
 def sentences(templates):
@@ -673,7 +715,8 @@ def test_text_logprob_sums_to_one():
     total = sum(math.exp(data.text_logprob(a + " " + b)) for a in everything for b in last)
     assert math.isclose(total, 0.35 * (1 / 5), rel_tol=1e-9)  # P(2 sentences) * P(2nd is "it felt")
     short = sentences(["it felt {adj} .", "we saw it on {day} ."])
-    total = sum(math.exp(data.text_logprob(" ".join(s))) for s in itertools.product(short, repeat=3))
+    total = sum(math.exp(data.text_logprob(" ".join(s)))
+                for s in itertools.product(short, repeat=3))
     assert math.isclose(total, 0.65 * 0.35 * (2 / 5) ** 3, rel_tol=1e-9)
 
 # ---- regimes of the task (issue 9)
@@ -831,7 +874,8 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
     ('{"prompt": "a", "chosen": " b", "rejected": " b"}', '"chosen" and "rejected" are identical'),
     ('{"chosen": "x b", "rejected": "x b"}', '"chosen" and "rejected" are identical'),
     ('{"chosen": "great plot", "rejected": "good plot"}', 'no "prompt" field'),  # no common space
-    ('{"chosen": " yes", "rejected": " no"}', 'no "prompt" field'),             # ... or only at the start
+    # ... or only at the start
+    ('{"chosen": " yes", "rejected": " no"}', 'no "prompt" field'),
     # silent misreads before: a misspelled prompt became the responses' common first word " it"
     ('{"promt": "the plot", "chosen": " it felt good .", "rejected": " it felt bad ."}',
      'no "prompt" field but other fields (promt): a misspelled "prompt"?'),
@@ -864,7 +908,8 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
 ])
 def test_read_pairs_bad_rows_name_file_and_line(tmp_path, bad, says):
     path = tmp_path / "pairs.jsonl"
-    path.write_text(GOOD + "\n\n" + GOOD + "\n" + bad + "\n" + GOOD + "\n")  # the blank line 2 is no row
+    # the blank line 2 is no row
+    path.write_text(GOOD + "\n\n" + GOOD + "\n" + bad + "\n" + GOOD + "\n")
     with pytest.raises(data.DataError) as e:
         data.read_pairs(str(path))
     assert str(e.value).startswith(f"{path}:4: ") and says in str(e.value), str(e.value)
@@ -874,7 +919,8 @@ def test_read_files_other_errors(tmp_path):
     p.write_bytes(GOOD.encode() + b"\n" + b'{"prompt": "\xff"}\n')
     with pytest.raises(data.DataError, match=f"^{p}:2: not UTF-8"):
         data.read_pairs(str(p))
-    for name, reader in [("e.jsonl", data.read_pairs), ("e.jsonl", data.read_prompts), ("e.txt", data.read_texts)]:
+    for name, reader in [("e.jsonl", data.read_pairs), ("e.jsonl", data.read_prompts),
+                         ("e.txt", data.read_texts)]:
         (tmp_path / name).write_text("\n  \n")
         with pytest.raises(data.DataError, match="empty"):
             reader(str(tmp_path / name))
@@ -887,8 +933,10 @@ def test_read_files_other_errors(tmp_path):
     assert data.read_prompts(str(p)) == ["it felt", " the plot is "]
 
 def test_read_pairs_full_texts_variant(tmp_path):
-    rows = [{"chosen": "Human: hi Assistant: hello there", "rejected": "Human: hi Assistant: go away"},
-            {"chosen": "Q: x A: the cat .", "rejected": "Q: x A: the dog ."},   # a shared first word stays
+    rows = [{"chosen": "Human: hi Assistant: hello there",
+             "rejected": "Human: hi Assistant: go away"},
+            # a shared first word stays
+            {"chosen": "Q: x A: the cat .", "rejected": "Q: x A: the dog ."},
             {"chosen": "a\n\nHuman: b", "rejected": "a\n\nHuman: c d"},
             {"chosen": "the plot is good", "rejected": "the plot is good and long"},
             {"prompt": "p", "chosen": "x", "rejected": "y", "id": 7}]    # explicit prompt: as given
@@ -918,7 +966,8 @@ def test_read_files_directory_missing_and_bom(tmp_path):
     assert data.read_prompts(str(tmp_path / "q.jsonl")) == ["it felt"]
     # special tokens as text in plain text files too
     (tmp_path / "t.txt").write_text("it felt\nthe plot<|endoftext|>\n")
-    with pytest.raises(data.DataError, match=re.escape(f"{tmp_path}/t.txt:2: the line contains <|")):
+    with pytest.raises(data.DataError,
+                       match=re.escape(f"{tmp_path}/t.txt:2: the line contains <|")):
         data.read_texts(str(tmp_path / "t.txt"))
 
 def test_read_pairs_conversational_rows_use_the_one_template(tmp_path):
@@ -927,7 +976,8 @@ def test_read_pairs_conversational_rows_use_the_one_template(tmp_path):
     rows = [dict(prompt=sys_u, chosen=msgs(("assistant", "No.")),
                  rejected=msgs(("assistant", "Yes."))),
             # implicit prompt: the messages both begin with; a response may go on for more turns
-            dict(chosen=sys_u + msgs(("assistant", "No."), ("user", "Sure?"), ("assistant", "Yes.")),
+            dict(chosen=sys_u + msgs(("assistant", "No."), ("user", "Sure?"),
+                                     ("assistant", "Yes.")),
                  rejected=sys_u + msgs(("assistant", "Maybe."))),
             dict(chosen=abc + msgs(("assistant", "d")), rejected=abc + msgs(("assistant", "e"))),
             dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away")]  # strings
@@ -976,7 +1026,8 @@ def test_own_data_on_the_example_file(tmp_path):
     assert read("prompts_eval.jsonl", "prompt") == [r["prompt"] for r in val]
     # the block printed is the longest pair with this tokenizer, BOS and EOS included: nothing cut
     tok = data.load_tokenizer(str(out / "tokenizer.json"))
-    longest = max(len(data.encode_prompt(tok, r["prompt"])) + max(len(data.encode_response(tok, r[k]))
+    longest = max(len(data.encode_prompt(tok, r["prompt"]))
+                  + max(len(data.encode_response(tok, r[k]))
                                                                   for k in ("chosen", "rejected"))
                   for r in rows)
     assert f"block_size {longest} (the longest pair is {longest} tokens" in p.stdout, p.stdout
@@ -1048,24 +1099,30 @@ def test_own_data_path_builds_its_own_cache_and_leaves_the_builtin_one(tmp_path,
 
 
 def test_tokenize_pairs_truncation_rule(tok):
-    assert all(len(tok.encode(" " + w)) == 1 for w in "the movie is great . i loved plot it felt".split())
+    assert all(len(tok.encode(" " + w)) == 1
+               for w in "the movie is great . i loved plot it felt".split())
     prompt, short = "the movie is great .", " i loved the plot ."   # 6 tokens with BOS, 6 with EOS
     long = " it felt great . it felt great . it felt great ."          # 13 with EOS
     rows = [dict(prompt=prompt, chosen=short, rejected=long)]
-    x, ys, yl = data.encode_prompt(tok, prompt), data.encode_response(tok, short), data.encode_response(tok, long)
+    x, ys, yl = (data.encode_prompt(tok, prompt), data.encode_response(tok, short),
+                 data.encode_response(tok, long))
     assert (len(x), len(ys), len(yl)) == (6, 6, 13) and x[0] == tok.eos and yl[-1] == tok.eos
     ex, st = data.tokenize_pairs(tok, rows, max_len=19, max_prompt_len=4)    # 6 + 13 fits
     assert ex == [dict(index=0, prompt=x, chosen=ys, rejected=yl)]
     assert st == dict(rows=1, truncated_prompt=0, truncated_response=0, unusable=0,
                       chosen_lost_eos=0, rejected_lost_eos=0)
-    # too long by 3: the prompt gives up 3 tokens (it may: max(16 - 13, 2) = 3 >= 2), keeping its BOS
+    # too long by 3: the prompt gives up 3 tokens (it may: max(16 - 13, 2) = 3 >= 2),
+    # keeping its BOS
     ex, st = data.tokenize_pairs(tok, rows, max_len=16, max_prompt_len=2)
-    assert ex[0]["prompt"] == [tok.eos] + x[-2:] and ex[0]["rejected"] == yl and ex[0]["chosen"] == ys
+    assert (ex[0]["prompt"] == [tok.eos] + x[-2:] and ex[0]["rejected"] == yl
+            and ex[0]["chosen"] == ys)
     assert st == dict(rows=1, truncated_prompt=1, truncated_response=0, unusable=0,
                       chosen_lost_eos=0, rejected_lost_eos=0)
-    # max_prompt_len 5 stops the prompt at 5 tokens; the longer response is cut to 16 - 5 = 11 (no EOS)
+    # max_prompt_len 5 stops the prompt at 5 tokens; the longer response is cut to
+    # 16 - 5 = 11 (no EOS)
     ex, st = data.tokenize_pairs(tok, rows, max_len=16, max_prompt_len=5)
-    assert ex[0]["prompt"] == [tok.eos] + x[-4:] and ex[0]["rejected"] == yl[:11] and ex[0]["chosen"] == ys
+    assert (ex[0]["prompt"] == [tok.eos] + x[-4:] and ex[0]["rejected"] == yl[:11]
+            and ex[0]["chosen"] == ys)
     assert st == dict(rows=1, truncated_prompt=1, truncated_response=1, unusable=0,
                       chosen_lost_eos=0, rejected_lost_eos=1)  # the longer one, cut, lost its EOS
     # a prompt already short enough is kept whole and the responses are cut
@@ -1075,7 +1132,8 @@ def test_tokenize_pairs_truncation_rule(tok):
                       chosen_lost_eos=0, rejected_lost_eos=1)
     # responses that differ only past the cut become identical: unusable, left out, counted; the
     # other rows keep their original index
-    same = dict(prompt=prompt, chosen=long + " the plot is great .", rejected=long + " it felt fine .")
+    same = dict(prompt=prompt, chosen=long + " the plot is great .",
+                rejected=long + " it felt fine .")
     ex, st = data.tokenize_pairs(tok, [rows[0], same, rows[0]], max_len=16, max_prompt_len=5)
     assert [e["index"] for e in ex] == [0, 2]
     assert st == dict(rows=3, truncated_prompt=3, truncated_response=3, unusable=1,
@@ -1118,8 +1176,10 @@ def test_tokenize_texts(tok):
     assert ex[1]["response"] == tok.encode(texts[1])[:9]
 
 def test_collate_pairs_layout(tok):
-    rows = [dict(prompt="the movie is gre", chosen="at . it felt good .", rejected=" bad ."),  # cut mid-word
-            dict(prompt="it felt good .", chosen=" i loved the plot . it felt great .", rejected=" the end ."),
+    # cut mid-word
+    rows = [dict(prompt="the movie is gre", chosen="at . it felt good .", rejected=" bad ."),
+            dict(prompt="it felt good .", chosen=" i loved the plot . it felt great .",
+                 rejected=" the end ."),
             dict(prompt="we saw it", chosen=" on monday .", rejected=" on friday . it felt dull .")]
     ex, _ = data.tokenize_pairs(tok, rows, max_len=64, max_prompt_len=8)
     b = data.collate_pairs(ex, tok.pad)
@@ -1127,18 +1187,21 @@ def test_collate_pairs_layout(tok):
     T = max(len(e["prompt"]) + len(e[k]) for e in ex for k in ("chosen", "rejected"))
     assert ids.shape == tg.shape == (6, T) and ids.dtype == tg.dtype == torch.long
     assert b["index"].tolist() == [0, 1, 2] and b["index"].dtype == torch.long
-    for i, (r, k) in enumerate((r, k) for k in ("chosen", "rejected") for r in rows):  # [chosen; rejected]
+    # [chosen; rejected]
+    for i, (r, k) in enumerate((r, k) for k in ("chosen", "rejected") for r in rows):
         x, y = data.encode_prompt(tok, r["prompt"]), data.encode_response(tok, r[k])
         P, n = len(x), len(x) + len(y)
         assert ids[i, :P].tolist() == x and ids[i, P:n].tolist() == y    # the boundary is exact
         assert (ids[i, n:] == tok.pad).all()
-        assert tg[i, P - 1:n - 1].tolist() == y                           # position t predicts token t+1
+        # position t predicts token t+1
+        assert tg[i, P - 1:n - 1].tolist() == y
         assert (tg[i, :P - 1] == -100).all() and (tg[i, n - 1:] == -100).all()
     assert (tg[:, -1] == -100).all()
     hit = tg != -100
     assert (tg[:, :-1][hit[:, :-1]] == ids[:, 1:][hit[:, :-1]]).all()
     # tokenized apart: "gre" + "at" is not the " great" that tokenizing the joined text would give
-    assert data.encode_response(tok, "at . it felt good .")[0] != tok.encode("the movie is great .")[3]
+    assert (data.encode_response(tok, "at . it felt good .")[0]
+            != tok.encode("the movie is great .")[3])
     assert tok.decode(ids[0].tolist()) == rows[0]["prompt"] + rows[0]["chosen"]
 
 def test_sharding_same_global_batches_any_world_size():
@@ -1154,8 +1217,10 @@ def test_sharding_same_global_batches_any_world_size():
         quarters = [data.rank_slice(g, r, 4) for r in range(4)]
         assert sum(quarters, []) == g and all(len(q) == 2 for q in quarters)
     epoch = sum((data.global_batch(n, B, s, seed) for s in range(per_epoch)), [])
-    assert len(set(epoch)) == per_epoch * B                      # an epoch sees each example once at most
-    assert data.global_batch(n, B, per_epoch, seed) != data.global_batch(n, B, 0, seed)  # reshuffled
+    # an epoch sees each example once at most
+    assert len(set(epoch)) == per_epoch * B
+    # reshuffled
+    assert data.global_batch(n, B, per_epoch, seed) != data.global_batch(n, B, 0, seed)
     with pytest.raises(AssertionError, match="divisible"):
         data.rank_slice(list(range(6)), 0, 4)
     with pytest.raises(AssertionError, match="larger"):
@@ -1177,19 +1242,21 @@ def test_length_sorted_batches_are_the_same_batches_with_less_padding():
     assert real / pad(by_length) > 0.75 > 0.65 > real / pad(plain)
 
 
-# ====================================================================================================
+# ==================================================================================================
 # plumbing.py and sft.py
-# ====================================================================================================
+# ==================================================================================================
 
 def test_parse_config_flags_help_and_bad_values(capsys):
     cfg = plumbing.parse_config(sft.Config, ["--lr", "0.01", "--no-resume", "--n-layer", "3"])
-    assert cfg.lr == 0.01 and cfg.resume is False and cfg.n_layer == 3 and cfg.steps == sft.Config.steps
+    assert (cfg.lr == 0.01 and cfg.resume is False and cfg.n_layer == 3
+            and cfg.steps == sft.Config.steps)
     with pytest.raises(SystemExit):
         plumbing.parse_config(sft.Config, ["--steps", "ten"])
     assert "invalid int value: 'ten'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         plumbing.parse_config(sft.Config, ["--help"])
-    assert "peak AdamW learning rate" in capsys.readouterr().out  # help comes from the field's comment
+    # help comes from the field's comment
+    assert "peak AdamW learning rate" in capsys.readouterr().out
 
 
 def test_split_batch_derives_accumulation_or_says_why_not():
@@ -1214,10 +1281,13 @@ def test_checkpoint_round_trip_and_a_crash_keeps_the_previous_one(tmp_path):
     opt = torch.optim.AdamW(net.parameters(), lr=0.1)
     net(torch.randn(3, 4)).sum().backward()
     opt.step()
-    plumbing.save_checkpoint(str(tmp_path), 7, {"model": net, "optim": opt, "gen": torch.arange(3)}, {"a": 1})
+    plumbing.save_checkpoint(str(tmp_path), 7, {"model": net, "optim": opt, "gen": torch.arange(3)},
+                             {"a": 1})
     net2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     opt2 = torch.optim.AdamW(net2.parameters(), lr=0.1)
-    step, state = plumbing.load_checkpoint(str(tmp_path), {"model": net2, "optim": opt2, "gen": torch.zeros(3)}, "cpu")
+    step, state = plumbing.load_checkpoint(str(tmp_path),
+                                           {"model": net2, "optim": opt2, "gen": torch.zeros(3)},
+                                           "cpu")
     assert step == 7 and state["a"] == 1 and torch.equal(state["tensors"]["gen"], torch.arange(3))
     for p, q in zip(net.parameters(), net2.parameters()):
         assert torch.equal(p, q)
@@ -1232,15 +1302,17 @@ def test_checkpoint_round_trip_and_a_crash_keeps_the_previous_one(tmp_path):
 
 
 def sft_args(tiny, out, steps=8, **kw):
-    cfg = dict(out_dir=str(out), train_text=f"{tiny.task}/sft_train.txt", val_text=f"{tiny.task}/sft_val.txt",
+    cfg = dict(out_dir=str(out), train_text=f"{tiny.task}/sft_train.txt",
+               val_text=f"{tiny.task}/sft_val.txt",
                tokenizer=f"{tiny.task}/tokenizer.json", **TINY_MODEL, steps=steps, batch_size=16,
                micro_batch_size=4, eval_every=steps, ckpt_every=100, warmup=2, **kw)
     return cfg
 
 
 def as_flags(cfg):
-    return [x for k, v in cfg.items() for x in ((f"--{k}" if v else f"--no-{k}",) if isinstance(v, bool)
-                                                 else (f"--{k}", str(v)))]
+    return [x for k, v in cfg.items()
+            for x in ((f"--{k}" if v else f"--no-{k}",) if isinstance(v, bool)
+                      else (f"--{k}", str(v)))]
 
 
 def read_metrics(out_dir):
@@ -1274,7 +1346,8 @@ def test_sft_two_ranks_equal_one_process_and_resume_equals_uninterrupted(tiny, t
         assert torch.equal(w1[k], w3[k]), k
     with open(resumed / "metrics.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f]
-    assert steps == sorted(set(steps)) and steps[0] == 1  # the resumed log keeps the first run's lines, none twice
+    # the resumed log keeps the first run's lines, none twice
+    assert steps == sorted(set(steps)) and steps[0] == 1
     # and no extra line at the resumed run's first step: the uninterrupted run's steps exactly
     assert steps == [m["step"] for m in read_metrics(one)]
 
@@ -1308,12 +1381,13 @@ def test_sft_init_from_takes_the_shape_from_config_json(tmp_path, capsys):
 
 def test_sft_explicit_missing_input_is_an_error_naming_it(tiny, tmp_path):
     with pytest.raises(SystemExit, match="nope.txt does not exist"):
-        sft.main(sft.Config(**{**sft_args(tiny, tmp_path), "train_text": str(tmp_path / "nope.txt")}))
+        sft.main(sft.Config(**{**sft_args(tiny, tmp_path),
+                               "train_text": str(tmp_path / "nope.txt")}))
 
 
-# ====================================================================================================
+# ==================================================================================================
 # precompute.py and dpo.py
-# ====================================================================================================
+# ==================================================================================================
 
 # Equivalent DPO runs differ only in the order of fp32 sums: a cache computed in batches of 64
 # against live micro-batches of 8 (other padding), one rank against two. Their per-step losses,
@@ -1324,13 +1398,15 @@ def test_sft_explicit_missing_input_is_an_error_naming_it(tiny, tmp_path):
 # after the last update pins the final weights' function instead. Adam is blind to a gradient's
 # scale, so the gradient's normalisation is checked through grad_norm.
 DPO_TOL = 1e-5
-DPO_METRICS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+DPO_METRICS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+               "rewards/margins",
                "logps/chosen", "logps/rejected", "grad_norm", "lr", "tokens_per_sec", "mfu",
                "mfu_hardware"]
 
 
 def dpo_pcfg(tiny, out="dpo-cache", pairs=None, ref_model=None):
-    return precompute.Config(out_dir=str(tiny.root / out), ref_model=ref_model or f"{tiny.sft}/model.safetensors",
+    return precompute.Config(out_dir=str(tiny.root / out),
+                             ref_model=ref_model or f"{tiny.sft}/model.safetensors",
                              train_pairs=pairs or str(tiny.root / "dpo-data/pairs_train.jsonl"),
                              val_pairs=pairs or str(tiny.root / "dpo-data/pairs_val.jsonl"))
 
@@ -1349,10 +1425,12 @@ def dpo_cache(tiny):  # noqa: F811
 
 def dpo_cfg(tiny, name, **kw):  # noqa: F811
     base = dict(out_dir=str(tiny.root / name), ref_model=f"{tiny.sft}/model.safetensors",
-                train_pairs=str(tiny.root / "dpo-data/pairs_train.jsonl"), val_pairs=str(tiny.root / "dpo-data/pairs_val.jsonl"),
-                eval_prompts=str(tiny.root / "dpo-data/prompts_eval.jsonl"), ref_logps=str(tiny.root / "dpo-cache"),
-                steps=3, batch_size=16, micro_batch_size=8, lr=1e-3, warmup=1, eval_every=1000, ckpt_every=1000,
-                eval_k=1)
+                train_pairs=str(tiny.root / "dpo-data/pairs_train.jsonl"),
+                val_pairs=str(tiny.root / "dpo-data/pairs_val.jsonl"),
+                eval_prompts=str(tiny.root / "dpo-data/prompts_eval.jsonl"),
+                ref_logps=str(tiny.root / "dpo-cache"),
+                steps=3, batch_size=16, micro_batch_size=8, lr=1e-3, warmup=1, eval_every=1000,
+                ckpt_every=1000, eval_k=1)
     return dpo.Config(**{**base, **kw})
 
 
@@ -1381,7 +1459,8 @@ def test_losses_match_hand_computed_values():
     assert loss.item() == pytest.approx(math.log1p(math.exp(-1)), abs=1e-7)  # −log σ(1)
     assert (r_c.item(), r_r.item()) == (0.5, -0.5)
     smooth, _, _ = dpo.dpo_loss(*args, beta=0.5, label_smoothing=0.2)
-    assert smooth.item() == pytest.approx(0.8 * math.log1p(math.exp(-1)) + 0.2 * math.log1p(math.exp(1)), abs=1e-7)
+    assert smooth.item() == pytest.approx(0.8 * math.log1p(math.exp(-1))
+                                          + 0.2 * math.log1p(math.exp(1)), abs=1e-7)
     ipo, _, _ = dpo.dpo_loss(*args, beta=0.5, loss="ipo")  # (h − 1/(2β))² = (2 − 1)²
     assert ipo.item() == pytest.approx(1.0, abs=1e-7)
     ipo, _, _ = dpo.dpo_loss(*args, beta=0.25, loss="ipo")  # h = 1/(2β) is IPO's target: zero loss
@@ -1391,24 +1470,29 @@ def test_losses_match_hand_computed_values():
 def test_gradient_matches_the_papers_analytic_form():
     torch.manual_seed(0)
     B, beta, eps = 6, 0.3, 0.1
-    pi_c, pi_r = (-20 * torch.rand(B, dtype=torch.float64)).requires_grad_(), (-20 * torch.rand(B, dtype=torch.float64)).requires_grad_()
-    ref_c, ref_r = -20 * torch.rand(B, dtype=torch.float64), -20 * torch.rand(B, dtype=torch.float64)
+    pi_c, pi_r = ((-20 * torch.rand(B, dtype=torch.float64)).requires_grad_(),
+                  (-20 * torch.rand(B, dtype=torch.float64)).requires_grad_())
+    ref_c, ref_r = (-20 * torch.rand(B, dtype=torch.float64),
+                    -20 * torch.rand(B, dtype=torch.float64))
     losses, r_c, r_r = dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta)
     g_c, g_r = torch.autograd.grad(losses.mean(), (pi_c, pi_r))
-    w = beta * torch.sigmoid(r_r - r_c) / B  # Sec. 4: β σ(r̂(x,y_l) − r̂(x,y_w)), for the mean over B
+    # Sec. 4: β σ(r̂(x,y_l) − r̂(x,y_w)), for the mean over B
+    w = beta * torch.sigmoid(r_r - r_c) / B
     torch.testing.assert_close(g_c, -w, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(g_r, w, rtol=1e-12, atol=1e-15)
     h = ((pi_c - ref_c) - (pi_r - ref_r)).detach()
     losses, _, _ = dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta, label_smoothing=eps)
     g_c, = torch.autograd.grad(losses.sum(), pi_c)
-    torch.testing.assert_close(g_c, -beta * ((1 - eps) * torch.sigmoid(-beta * h) - eps * torch.sigmoid(beta * h)))
+    torch.testing.assert_close(g_c, -beta * ((1 - eps) * torch.sigmoid(-beta * h)
+                                             - eps * torch.sigmoid(beta * h)))
     losses, _, _ = dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta, loss="ipo")
     g_c, g_r = torch.autograd.grad(losses.sum(), (pi_c, pi_r))
     torch.testing.assert_close(g_c, 2 * (h - 1 / (2 * beta)))
     torch.testing.assert_close(g_r, -2 * (h - 1 / (2 * beta)))
     for kw in (dict(), dict(label_smoothing=eps), dict(loss="ipo")):
         assert torch.autograd.gradcheck(lambda a, b, c, d: dpo.dpo_loss(a, b, c, d, beta, **kw)[0],
-                                        (pi_c, pi_r, ref_c.requires_grad_(), ref_r.requires_grad_()))
+                                        (pi_c, pi_r, ref_c.requires_grad_(),
+                                         ref_r.requires_grad_()))
         ref_c, ref_r = ref_c.detach(), ref_r.detach()
 
 
@@ -1416,7 +1500,8 @@ def test_gradient_matches_the_papers_analytic_form():
 # log-probs: one concatenated forward; only response tokens count
 
 
-def test_concatenated_forward_equals_separate_forwards_and_counts_only_responses(tiny):  # noqa: F811
+def test_concatenated_forward_equals_separate_forwards_and_counts_only_responses(  # noqa: F811
+        tiny):
     model, _ = load_model(f"{tiny.sft}/model.safetensors")
     model = model.double().eval()  # fp64: the same math must agree to 1e-10
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
@@ -1425,9 +1510,11 @@ def test_concatenated_forward_equals_separate_forwards_and_counts_only_responses
     with torch.no_grad():
         both = precompute.pair_logps(model, b["input_ids"], b["targets"])  # (2B,)
         for half, key in ((both[:5], "chosen"), (both[5:], "rejected")):
-            x, y = data.collate([(e["prompt"], e[key]) for e in ex], tok.pad)  # its own, shorter padding
+            # its own, shorter padding
+            x, y = data.collate([(e["prompt"], e[key]) for e in ex], tok.pad)
             torch.testing.assert_close(half, precompute.pair_logps(model, x, y), rtol=0, atol=1e-10)
-            for e, got in zip(ex, half):  # the obvious way: one unpadded sequence, response tokens only
+            # the obvious way: one unpadded sequence, response tokens only
+            for e, got in zip(ex, half):
                 seq = torch.tensor([e["prompt"] + e[key]])
                 logp = torch.log_softmax(model(seq)[0, len(e["prompt"]) - 1:-1], -1)
                 want = logp.gather(-1, torch.tensor(e[key])[:, None]).sum()
@@ -1473,7 +1560,8 @@ def test_grouped_micro_batches_with_targets_only_give_todays_loss_and_gradients(
 
 
 def test_step_zero_policy_equals_reference(tiny, dpo_cache):  # noqa: F811
-    for ref, tol in (("live", 1e-7), ("cache", DPO_TOL)):  # live: the same forward twice; ln 2 to fp32 rounding
+    # live: the same forward twice; ln 2 to fp32 rounding
+    for ref, tol in (("live", 1e-7), ("cache", DPO_TOL)):
         cfg = dpo_cfg(tiny, f"dpo-step0-{ref}", ref=ref, steps=2, stop_after=1)
         dpo.main(cfg)
         m = dpo_metrics(cfg.out_dir)[0]
@@ -1482,7 +1570,8 @@ def test_step_zero_policy_equals_reference(tiny, dpo_cache):  # noqa: F811
         if ref == "live":  # π_θ and π_ref: one function, one batch, so the rewards are exactly 0
             assert m["rewards/chosen"] == m["rewards/rejected"] == m["rewards/margins"] == 0.0
             assert m["rewards/accuracies"] == 0.0  # no pair is ordered yet (strict >, as TRL)
-        assert abs(m["rewards/chosen"]) <= tol and abs(m["rewards/rejected"]) <= tol and abs(m["rewards/margins"]) <= tol
+        assert (abs(m["rewards/chosen"]) <= tol and abs(m["rewards/rejected"]) <= tol
+                and abs(m["rewards/margins"]) <= tol)
 
 
 def test_cached_equals_live(tiny, dpo_cache):  # noqa: F811
@@ -1497,7 +1586,8 @@ def test_cached_equals_live(tiny, dpo_cache):  # noqa: F811
         assert all(abs(x[k] - y[k]) <= DPO_TOL for x, y in zip(a, b) if k in x), k
     with open(os.path.join(runs["cache"], "eval.json")) as f:
         ev = json.load(f)
-    assert {"val_accuracy", "true_reward", "kl", "ref_true_reward", "ref_true_reward_std", "samples"} <= ev.keys()
+    assert {"val_accuracy", "true_reward", "kl", "ref_true_reward", "ref_true_reward_std",
+            "samples"} <= ev.keys()
 
 
 def test_cache_rows_follow_their_index_when_rows_are_dropped(tiny, dpo_cache):  # noqa: F811
@@ -1533,35 +1623,41 @@ def test_cache_rows_follow_their_index_when_rows_are_dropped(tiny, dpo_cache):  
 
 
 def test_resumed_equals_uninterrupted(tiny, dpo_cache):  # noqa: F811
-    full, part = dpo_cfg(tiny, "dpo-full", steps=4), dpo_cfg(tiny, "dpo-resumed", steps=4, stop_after=2)
+    full, part = dpo_cfg(tiny, "dpo-full", steps=4), dpo_cfg(tiny, "dpo-resumed", steps=4,
+                                                             stop_after=2)
     dpo.main(full)
     dpo.main(part)
     assert not os.path.exists(os.path.join(part.out_dir, "model.safetensors"))
     dpo.main(part)  # resumes at step 2
-    assert [m["loss"] for m in dpo_metrics(full.out_dir)] == [m["loss"] for m in dpo_metrics(part.out_dir)]
+    assert ([m["loss"] for m in dpo_metrics(full.out_dir)]
+            == [m["loss"] for m in dpo_metrics(part.out_dir)])
     assert dpo_max_diff(dpo_weights(full.out_dir), dpo_weights(part.out_dir)) == 0.0
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tiny, dpo_cache):  # noqa: F811
-    cfg = dpo_cfg(tiny, "dpo-nan", lr=1e30, ckpt_every=1)  # step 1 blows the weights up; step 2's loss is NaN
+    # step 1 blows the weights up; step 2's loss is NaN
+    cfg = dpo_cfg(tiny, "dpo-nan", lr=1e30, ckpt_every=1)
     with pytest.raises(SystemExit, match="non-finite loss.*step 2.*last good checkpoint is kept"):
         dpo.main(cfg)
     with open(os.path.join(cfg.out_dir, "ckpt", "latest.json")) as f:
         assert json.load(f)["step"] == 1
 
 
-def test_cached_step_costs_the_analytic_fraction_of_a_live_step(tiny, dpo_cache, monkeypatch):  # noqa: F811
+def test_cached_step_costs_the_analytic_fraction_of_a_live_step(  # noqa: F811
+        tiny, dpo_cache, monkeypatch):
     monkeypatch.setattr(dpo, "measure_peak_flops", lambda *a: 1e9)  # its matmuls would be counted
     counted, logged = {}, {}
     for ref in ("cache", "live"):
-        cfg = dpo_cfg(tiny, f"dpo-flops-{ref}", ref=ref, steps=2, stop_after=1)  # one step, no evaluation
+        # one step, no evaluation
+        cfg = dpo_cfg(tiny, f"dpo-flops-{ref}", ref=ref, steps=2, stop_after=1)
         counted[ref] = count_flops(lambda: dpo.main(cfg))[1]
         logged[ref] = dpo_metrics(cfg.out_dir)[0]
     # expected from the model's own sizes and the step's real batches: sorted by length, each
     # micro-batch padded to its own longest row, the LM head only at its K targets
     mcfg = load_model(cfg.ref_model)[0].config
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
-    train, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len, cfg.max_prompt_len)
+    train, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
+                                   cfg.max_prompt_len)
     lengths = [data.longest_row(e) for e in train]
     batch = data.global_batch(len(train), cfg.batch_size, 0, cfg.seed, lengths)
     bs = [data.collate_pairs([train[i] for i in batch[j:j + 8]], tok.pad) for j in (0, 8)]
@@ -1575,9 +1671,11 @@ def test_cached_step_costs_the_analytic_fraction_of_a_live_step(tiny, dpo_cache,
         return sum(model_flops(mcfg, r, k, bw) for r, (_, _, k) in zip(real, shapes))
 
     policy, reference = hardware(True), hardware(False)  # forward + backward; forward only
-    assert counted["cache"] == policy and counted["live"] == policy + reference  # exact: same counting rules
+    # exact: same counting rules
+    assert counted["cache"] == policy and counted["live"] == policy + reference
     ratio = counted["cache"] / counted["live"]
-    assert abs(ratio - 0.75) < 0.02  # 3/(3+1) for matmuls; attention's 2.5x backward moves it slightly
+    # 3/(3+1) for matmuls; attention's 2.5x backward moves it slightly
+    assert abs(ratio - 0.75) < 0.02
     # The logged utilisations over the patched peak of 1e9 FLOP/s, times the step's time, give back
     # their numerators: HFU the FLOPs that ran (as counted), MFU those the real tokens need. The
     # same floats multiplied back: only rounding differs (1e-9 relative is far above it).
@@ -1595,10 +1693,12 @@ def test_cached_step_costs_the_analytic_fraction_of_a_live_step(tiny, dpo_cache,
 def test_precompute_two_ranks_writes_the_same_cache(tiny, dpo_cache):  # noqa: F811
     out = str(tiny.root / "dpo-cache-2ranks")
     c = dpo_pcfg(tiny)
-    run_torchrun("precompute.py", ["--out_dir", out, "--ref_model", c.ref_model, "--train_pairs", c.train_pairs,
-                                   "--val_pairs", c.val_pairs])
+    run_torchrun("precompute.py",
+                 ["--out_dir", out, "--ref_model", c.ref_model, "--train_pairs", c.train_pairs,
+                  "--val_pairs", c.val_pairs])
     for split in ("train", "val"):
-        one, two = load_file(f"{dpo_cache}/{split}.safetensors"), load_file(f"{out}/{split}.safetensors")
+        one, two = (load_file(f"{dpo_cache}/{split}.safetensors"),
+                    load_file(f"{out}/{split}.safetensors"))
         for k in ("chosen", "rejected"):  # same micro-batches on any world size: the same numbers
             torch.testing.assert_close(one[k], two[k], rtol=0, atol=DPO_TOL, equal_nan=True)
             assert torch.isfinite(one[k]).all()  # every row filled (the task has no unusable rows)
@@ -1611,10 +1711,11 @@ def test_stale_cache_is_refused(tiny, dpo_cache):  # noqa: F811
         shutil.copyfile(f"{tiny.sft}/{f}", own / f)
     rows = open(f"{tiny.task}/pairs_val.jsonl").readlines()[:16]
     (own / "pairs.jsonl").write_text("".join(rows))
-    c = dpo_pcfg(tiny, out="dpo-stale/cache", pairs=str(own / "pairs.jsonl"), ref_model=str(own / "model.safetensors"))
+    c = dpo_pcfg(tiny, out="dpo-stale/cache", pairs=str(own / "pairs.jsonl"),
+                 ref_model=str(own / "model.safetensors"))
     precompute.main(c)
-    cfg = dpo_cfg(tiny, "dpo-stale/run", ref_model=c.ref_model, train_pairs=c.train_pairs, val_pairs=c.val_pairs,
-               ref_logps=c.out_dir, steps=1)
+    cfg = dpo_cfg(tiny, "dpo-stale/run", ref_model=c.ref_model, train_pairs=c.train_pairs,
+                  val_pairs=c.val_pairs, ref_logps=c.out_dir, steps=1)
     (own / "pairs.jsonl").write_text("".join(rows[:15] + rows[:1]))  # the data file changed
     with pytest.raises(SystemExit, match="stale.*the pairs file.*python precompute.py --out_dir"):
         dpo.main(cfg)
@@ -1630,8 +1731,10 @@ def test_stale_cache_is_refused(tiny, dpo_cache):  # noqa: F811
 def test_two_ranks_equal_one_process(tiny, dpo_cache):  # noqa: F811
     one = dpo_cfg(tiny, "dpo-1rank", steps=2, micro_batch_size=16)  # 1 rank x 1 micro-step x 16
     dpo.main(one)
-    two = dpo_cfg(tiny, "dpo-2ranks", steps=2, micro_batch_size=4)  # 2 ranks x 2 micro-steps x 4: same global batch
-    args = [a for k, v in vars(two).items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)
+    # 2 ranks x 2 micro-steps x 4: same global batch
+    two = dpo_cfg(tiny, "dpo-2ranks", steps=2, micro_batch_size=4)
+    args = [a for k, v in vars(two).items()
+            if isinstance(v, (str, int, float)) and not isinstance(v, bool)
             for a in (f"--{k}", str(v))]
     p = run_torchrun("dpo.py", args)  # also the smoke run: the whole script, evaluation and outputs
     assert "held-out pairs: accuracy" in p.stdout
@@ -1639,7 +1742,8 @@ def test_two_ranks_equal_one_process(tiny, dpo_cache):  # noqa: F811
     assert [x["step"] for x in a] == [y["step"] for y in b] and "val_loss" in a[-1]
     # not accuracy: ties at step 1; logps/chosen (~ -30) relative to its size
     for k in ("loss", "rewards/margins", "logps/chosen", "grad_norm", "val_loss"):
-        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b) if k in x), k
+        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k]))
+                   for x, y in zip(a, b) if k in x), k
 
 
 def loop_headers(path):
@@ -1656,7 +1760,8 @@ def test_loops_share_one_skeleton():
     for small, big in ((d, p), (d, o), (o, p)):
         rest = iter(big)
         assert len(small) >= 12 and all(h in rest for h in small), (small, big)
-    core = ["# -- batch", "# -- reference log-probs", "# -- policy forward", "# -- loss", "# -- update"]
+    core = ["# -- batch", "# -- reference log-probs", "# -- policy forward", "# -- loss",
+            "# -- update"]
     for heads in (d, p, o):  # the shared core, in this order, in all three
         assert [h for h in heads if h in core] == core
     # online_dpo.py's docstring names, by name, what returns from PPO and what stays deleted
@@ -1676,9 +1781,9 @@ def test_loops_share_one_skeleton():
     assert shown == out
 
 
-# ====================================================================================================
+# ==================================================================================================
 # reward.py and ppo.py
-# ====================================================================================================
+# ==================================================================================================
 
 def prefix_mask(lengths, N):
     return torch.arange(N)[None, :] < torch.tensor(lengths)[:, None]
@@ -1692,11 +1797,13 @@ def test_gae_matches_double_loop():
     g = torch.Generator().manual_seed(0)
     B, N, gamma, lam = 4, 7, 0.9, 0.8
     mask = prefix_mask([7, 3, 1, 5], N)
-    r, v = torch.randn(B, N, generator=g, dtype=torch.float64), torch.randn(B, N, generator=g, dtype=torch.float64)
+    r, v = torch.randn(B, N, generator=g, dtype=torch.float64), torch.randn(B, N, generator=g,
+                                                                            dtype=torch.float64)
     adv, ret = ppo.gae(r, v, mask, gamma, lam)
     for b in range(B):
         n = int(mask[b].sum())
-        V = lambda t: v[b, t].item() if t < n else 0.0  # noqa: E731  the episode ends after token n-1
+        # the episode ends after token n-1
+        V = lambda t: v[b, t].item() if t < n else 0.0  # noqa: E731
         for t in range(N):
             want = sum((gamma * lam) ** k * (r[b, t + k].item() + gamma * V(t + k + 1) - V(t + k))
                        for k in range(n - t)) if t < n else 0.0
@@ -1707,7 +1814,8 @@ def test_gae_matches_double_loop():
 def test_gae_with_gamma_lambda_one_is_reward_to_go():
     g = torch.Generator().manual_seed(1)
     mask = prefix_mask([5, 2, 6], 6)
-    r, v = torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    r, v = torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g,
+                                                                            dtype=torch.float64)
     adv, _ = ppo.gae(r, v, mask, 1.0, 1.0)
     to_go = (r * mask).flip(1).cumsum(1).flip(1) * mask
     torch.testing.assert_close(adv + v * mask, to_go)
@@ -1719,16 +1827,19 @@ def test_masked_whiten_and_padding_contributes_nothing():
     x = torch.randn(3, 5, generator=g, dtype=torch.float64)
     w = ppo.masked_whiten(x, mask)
     real = x[mask]
-    torch.testing.assert_close(w[mask], (real - real.mean()) / (real.var(unbiased=True) + 1e-8) ** 0.5)
+    torch.testing.assert_close(w[mask],
+                               (real - real.mean()) / (real.var(unbiased=True) + 1e-8) ** 0.5)
     assert (w[~mask] == 0).all()
     # garbage (even NaN-free huge numbers) in PAD positions changes nothing anywhere
     y = torch.where(mask, x, 1e6)
     torch.testing.assert_close(ppo.masked_whiten(y, mask), w)
     v = torch.randn(3, 5, generator=g, dtype=torch.float64)
-    for a, b in zip(ppo.gae(x, v, mask, 1.0, 0.95), ppo.gae(y, torch.where(mask, v, -1e6), mask, 1.0, 0.95)):
+    for a, b in zip(ppo.gae(x, v, mask, 1.0, 0.95),
+                    ppo.gae(y, torch.where(mask, v, -1e6), mask, 1.0, 0.95)):
         torch.testing.assert_close(a, b)
     old = torch.randn(3, 5, generator=g, dtype=torch.float64)
-    for f in (lambda u: ppo.ppo_policy_loss(u, old, x, mask, 0.2), lambda u: ppo.ppo_value_loss(u, old, x, mask, 0.2)):
+    for f in (lambda u: ppo.ppo_policy_loss(u, old, x, mask, 0.2),
+              lambda u: ppo.ppo_value_loss(u, old, x, mask, 0.2)):
         assert f(v)[0].item() == pytest.approx(f(torch.where(mask, v, 1e6))[0].item(), abs=1e-12)
 
 
@@ -1738,8 +1849,9 @@ def test_masked_whiten_and_padding_contributes_nothing():
 
 def test_clipped_policy_loss_value_and_gradient():
     eps = 0.2
-    # (ratio, advantage): inside the band; above it with A>0 (clipped: no gradient); above it with A<0
-    # (not clipped: the pessimistic term is the unclipped one); below with A<0 (clipped); below with A>0
+    # (ratio, advantage): inside the band; above it with A>0 (clipped: no gradient); above it with
+    # A<0 (not clipped: the pessimistic term is the unclipped one); below with A<0 (clipped); below
+    # with A>0
     cases = [(1.1, 2.0), (1.5, 1.0), (1.5, -1.0), (0.5, -3.0), (0.5, 0.5)]
     ratio = torch.tensor([c[0] for c in cases], dtype=torch.float64)
     adv = torch.tensor([[c[1] for c in cases]], dtype=torch.float64)
@@ -1748,10 +1860,12 @@ def test_clipped_policy_loss_value_and_gradient():
     mask = torch.ones(1, 5, dtype=torch.bool)
     loss, clipfrac, approx_kl = ppo.ppo_policy_loss(logp, old, adv, mask, eps)
     clipped = [False, True, False, True, False]
-    want = sum(-a * (min(max(r, 1 - eps), 1 + eps) if c else r) for (r, a), c in zip(cases, clipped)) / 5
+    want = sum(-a * (min(max(r, 1 - eps), 1 + eps) if c else r)
+               for (r, a), c in zip(cases, clipped)) / 5
     assert loss.item() == pytest.approx(want, abs=1e-12)
     assert clipfrac.item() == pytest.approx(2 / 5)
-    assert approx_kl.item() == pytest.approx(sum((r - 1) - math.log(r) for r, _ in cases) / 5, abs=1e-12)
+    assert approx_kl.item() == pytest.approx(sum((r - 1) - math.log(r) for r, _ in cases) / 5,
+                                             abs=1e-12)
     loss.backward()
     # d(-A·ρ)/d log π = -A·ρ; zero where the ratio is clipped on the side the advantage pushes
     grad = [0.0 if c else -a * r / 5 for (r, a), c in zip(cases, clipped)]
@@ -1762,13 +1876,15 @@ def test_clipped_value_loss_value_and_gradient():
     eps = 0.2
     old = torch.tensor([[0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     ret = torch.tensor([[1.0, 1.0, -1.0, 0.05]], dtype=torch.float64)
-    # moved 0.1 (in the band); moved 0.5 toward the return (clipped to 0.2: worse, so it counts, gradient 0);
-    # moved 0.5 away from the return (the unclipped error is worse: it counts); moved -0.5 past a close return
+    # moved 0.1 (in the band); moved 0.5 toward the return (clipped to 0.2: worse, so it counts,
+    # gradient 0); moved 0.5 away from the return (the unclipped error is worse: it counts); moved
+    # -0.5 past a close return
     v = torch.tensor([[0.1, 0.5, 0.5, -0.5]], dtype=torch.float64, requires_grad=True)
     mask = torch.ones(1, 4, dtype=torch.bool)
     loss, vf_clipfrac = ppo.ppo_value_loss(v, old, ret, mask, eps)
     vc = [0.1, 0.2, 0.2, -0.2]
-    terms = [max((a - r) ** 2, (c - r) ** 2) for a, c, r in zip([0.1, 0.5, 0.5, -0.5], vc, [1.0, 1.0, -1.0, 0.05])]
+    terms = [max((a - r) ** 2, (c - r) ** 2) for a, c, r in zip([0.1, 0.5, 0.5, -0.5], vc,
+                                                                [1.0, 1.0, -1.0, 0.05])]
     assert loss.item() == pytest.approx(0.5 * sum(terms) / 4, abs=1e-12)
     assert vf_clipfrac.item() == pytest.approx(1 / 4)
     loss.backward()
@@ -1791,7 +1907,8 @@ def test_kl_estimators_k1_unbiased_k3_nonnegative():
     assert abs(k1.mean().item() - exact) < 5 * se  # unbiased
     assert (k1 < 0).any()  # but negative on some tokens
     assert abs(k3.mean().item() - exact) < 5 * k3.std().item() / math.sqrt(len(x))
-    a, b = torch.meshgrid(torch.linspace(-30, 0, 301, dtype=torch.float64), torch.linspace(-30, 0, 301, dtype=torch.float64),
+    a, b = torch.meshgrid(torch.linspace(-30, 0, 301, dtype=torch.float64),
+                          torch.linspace(-30, 0, 301, dtype=torch.float64),
                           indexing="ij")
     assert (ppo.kl_estimators(a, b)[1] >= 0).all()
 
@@ -1810,7 +1927,8 @@ def test_per_token_reward_layout():
 
 
 def test_adaptive_kl_controller():
-    assert ppo.adaptive_kl_coef(0.1, 12.0, 6.0, 10000, 500) == pytest.approx(0.1 * (1 + 0.2 * 0.05))  # clipped at +0.2
+    # clipped at +0.2
+    assert ppo.adaptive_kl_coef(0.1, 12.0, 6.0, 10000, 500) == pytest.approx(0.1 * (1 + 0.2 * 0.05))
     assert ppo.adaptive_kl_coef(0.1, 5.4, 6.0, 10000, 500) == pytest.approx(0.1 * (1 - 0.1 * 0.05))
 
 
@@ -1823,7 +1941,8 @@ def test_bradley_terry_loss_and_gradient():
     rr = torch.tensor([0.0, 0.5, 2.0], dtype=torch.float64, requires_grad=True)
     loss = reward.bt_loss(rc, rr)
     delta = [1.0, -1.0, 0.0]
-    assert loss.item() == pytest.approx(sum(math.log(1 + math.exp(-x)) for x in delta) / 3, abs=1e-12)
+    assert loss.item() == pytest.approx(sum(math.log(1 + math.exp(-x)) for x in delta) / 3,
+                                        abs=1e-12)
     loss.backward()
     want = torch.tensor([-(1 - 1 / (1 + math.exp(-x))) / 3 for x in delta], dtype=torch.float64)
     torch.testing.assert_close(rc.grad, want)
@@ -1832,11 +1951,13 @@ def test_bradley_terry_loss_and_gradient():
 
 def test_reward_read_at_last_token_independent_of_padding():
     torch.manual_seed(0)
-    m = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16, head="scalar")).eval()
+    m = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16,
+                      head="scalar")).eval()
     torch.nn.init.normal_(m.score.weight)  # the zero init would make every score 0
     pad, seqs = 49, [[1, 5, 6, 7], [1, 8, 9, 10, 11, 12, 13], [1, 3]]
     alone = [m(torch.tensor([s]))[0, -1].item() for s in seqs]
-    # right padding, no mask (the training batches), with the real-token mask from the collate targets
+    # right padding, no mask (the training batches), with the real-token mask from the
+    # collate targets
     ids, targets = data.collate([(s[:1], s[1:]) for s in seqs] + [([1], [2] * 20)], pad)
     right = reward.score_at_last(m(ids), reward.pair_mask(targets))[:3]
     # left padding with a mask (generate's layout)
@@ -1866,7 +1987,8 @@ def test_load_trunk_keeps_the_transformer(tmp_path):
 
 
 def _broadcast_worker(rank, init_file, result_dir):
-    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                         world_size=2)
     cfg = GPTConfig(block_size=24, vocab_size=40, n_layer=2, n_head=2, n_embd=16)
     torch.manual_seed(rank)  # the ranks' trainers differ: only rank 0's weights may arrive
     trainer = GPT(cfg)
@@ -1876,15 +1998,17 @@ def _broadcast_worker(rank, init_file, result_dir):
     n_bytes, seconds = ppo.broadcast_weights(trainer, rollout, d)
     torch.manual_seed(0)
     want = GPT(cfg)  # rank 0's trainer, rebuilt
-    same = all(torch.equal(a, b) for a, b in zip(rollout.state_dict().values(), want.state_dict().values()))
+    same = all(torch.equal(a, b) for a, b in zip(rollout.state_dict().values(),
+                                                 want.state_dict().values()))
     tied = rollout.lm_head.weight is rollout.transformer.wte.weight
-    outs = [generate(m, [[1, 2, 3], [1]], 12, eos_id=0, pad_id=39, generator=torch.Generator().manual_seed(7))
+    outs = [generate(m, [[1, 2, 3], [1]], 12, eos_id=0, pad_id=39,
+                     generator=torch.Generator().manual_seed(7))
             for m in (rollout, want)]
     sample_same = all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
     n_params = sum(p.numel() for p in want.parameters())
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
-        json.dump(dict(same=same, tied=tied, sample_same=sample_same, bytes=n_bytes, want_bytes=4 * n_params,
-                       seconds=seconds), f)
+        json.dump(dict(same=same, tied=tied, sample_same=sample_same, bytes=n_bytes,
+                       want_bytes=4 * n_params, seconds=seconds), f)
     torch.distributed.destroy_process_group()
 
 
@@ -2084,8 +2208,10 @@ def test_ppo_loop_wiring(tiny, tiny_rm, tmp_path, monkeypatch):
 def test_ppo_stops_on_non_finite(tiny, tiny_rm, tmp_path):
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text(json.dumps({"prompt": "the movie is"}) + "\n")
-    cfg = tiny_ppo_config(tiny, str(tiny_rm / "model.safetensors"), tmp_path / "ppo", str(prompts), lr=1e30)
-    with pytest.raises(SystemExit, match=r"non-finite grad_norm \(nan\) at iteration 1 .* the last good checkpoint is kept: none"):
+    cfg = tiny_ppo_config(tiny, str(tiny_rm / "model.safetensors"), tmp_path / "ppo", str(prompts),
+                          lr=1e30)
+    with pytest.raises(SystemExit, match=r"non-finite grad_norm \(nan\) at iteration 1 .* "
+                                         r"the last good checkpoint is kept: none"):
         ppo.main(cfg)
     assert not os.path.exists(tmp_path / "ppo" / "model.safetensors")
 
@@ -2115,9 +2241,9 @@ def test_ppo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, ti
         assert abs(runs[1][k] - runs[2][k]) <= DPO_TOL * max(1, abs(runs[1][k])), k
 
 
-# ====================================================================================================
+# ==================================================================================================
 # online_dpo.py
-# ====================================================================================================
+# ==================================================================================================
 
 def test_label_pairs_higher_score_chosen_a_tie_says_nothing():
     a = torch.tensor([1.0, -1.0, 0.5, -1.0, 2.0])
@@ -2225,7 +2351,8 @@ def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted
     assert all(0 < x["ties"] < 1 for x in a)  # neither vacuous nor all ties: the labels matter
     # --fsdp on the same 2 ranks: policy, π_ref and r_φ sharded, the same rounds (the same
     # tolerance: sharding changes only the order of fp32 sums), the model saved whole
-    run_torchrun("online_dpo.py", [f"--{k}={v}" for k, v in {**cfg, "out_dir": root / "fsdp"}.items()]
+    run_torchrun("online_dpo.py",
+                 [f"--{k}={v}" for k, v in {**cfg, "out_dir": root / "fsdp"}.items()]
                  + ["--fsdp"])
     c = dpo_metrics(root / "fsdp")
     for k in ("ties", "eos_rate", "response_len", "true_reward"):
@@ -2247,20 +2374,22 @@ def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted
     assert strip(a) == strip(dpo_metrics(root / "split"))
 
 
-# ====================================================================================================
+# ==================================================================================================
 # compare.py
-# ====================================================================================================
+# ==================================================================================================
 
 def test_reference_against_itself_kl_zero_win_rate_half(tiny):  # noqa: F811
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
     ref, ref2 = (load_model(f"{tiny.sft}/model.safetensors")[0] for _ in range(2))
-    res = evaluate_policy(ref, ref2, tok, data.read_prompts(f"{tiny.task}/prompts_eval.jsonl"), init_distributed(), k=2)
+    res = evaluate_policy(ref, ref2, tok, data.read_prompts(f"{tiny.task}/prompts_eval.jsonl"),
+                          init_distributed(), k=2)
     n = res["n_completions"]
     assert n == 400
-    assert res["kl"] == 0.0  # the same weights score the same tokens with the same function: exactly
-    # Each comparison scores 1, 1/2 or 0 and, both sides sampling the same model independently, has mean
-    # exactly 1/2 for every prompt; its variance is at most 1/4, so the mean of n lies within 4 standard
-    # errors, 4·(1/2)/√n = 0.1, except with probability < 1e-4.
+    # the same weights score the same tokens with the same function: exactly
+    assert res["kl"] == 0.0
+    # Each comparison scores 1, 1/2 or 0 and, both sides sampling the same model independently, has
+    # mean exactly 1/2 for every prompt; its variance is at most 1/4, so the mean of n lies within 4
+    # standard errors, 4·(1/2)/√n = 0.1, except with probability < 1e-4.
     assert abs(res["win_rate"] - 0.5) <= 4 * 0.5 / math.sqrt(n)
 
 
@@ -2409,7 +2538,8 @@ def test_evaluation_kl_against_exact_enumeration():
 @pytest.mark.parametrize("bias", [True, False])
 def test_analytic_bytes_match_the_tensors(bias):
     for head in ("lm", "scalar"):
-        c = GPTConfig(block_size=24, vocab_size=40, n_layer=2, n_head=2, n_embd=16, bias=bias, head=head)
+        c = GPTConfig(block_size=24, vocab_size=40, n_layer=2, n_head=2, n_embd=16, bias=bias,
+                      head=head)
         torch.manual_seed(0)
         m = GPT(c)
         ps = list(m.parameters())  # a tied lm_head is wte: once
@@ -2422,24 +2552,31 @@ def test_analytic_bytes_match_the_tensors(bias):
         got = {"weights": w, "grads": sum(p.grad.nbytes for p in ps),
                "optimizer": sum(t.nbytes for s in opt.state.values() for t in s.values())}
         assert costs.state_bytes(c, True) == {**got, "total": sum(got.values())}
-        assert costs.state_bytes(c, False, w=2)["weights"] == sum(p.nbytes for p in GPT(c).to(torch.bfloat16).parameters())
-    # mixed precision: 2 + 2 + 12 bytes per trained parameter (+ 4 per tensor), the optimizer's share split by ZeRO-1
-    big = GPTConfig(block_size=512, vocab_size=32000, n_layer=32, n_head=32, n_embd=4096, bias=False)
+        assert (costs.state_bytes(c, False, w=2)["weights"]
+                == sum(p.nbytes for p in GPT(c).to(torch.bfloat16).parameters()))
+    # mixed precision: 2 + 2 + 12 bytes per trained parameter (+ 4 per tensor), the
+    # optimizer's share split by ZeRO-1
+    big = GPTConfig(block_size=512, vocab_size=32000, n_layer=32, n_head=32, n_embd=4096,
+                    bias=False)
     P, n = costs.n_params(big)
     assert 6.5e9 < P < 6.7e9
     assert costs.state_bytes(big, True, w=2)["total"] == 16 * P + 4 * n
-    assert costs.state_bytes(big, True, w=2, world=8, shard="zero1")["total"] == 4 * P + (12 * P + 4 * n) / 8
+    assert (costs.state_bytes(big, True, w=2, world=8, shard="zero1")["total"]
+            == 4 * P + (12 * P + 4 * n) / 8)
     assert costs.state_bytes(big, False, w=2, world=8, shard="fsdp")["total"] == 2 * P / 8
 
 
 def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F811
-    # r_φ and the critic: π_ref's trunk with a fresh scalar head (load_trunk), enough to count their work
+    # r_φ and the critic: π_ref's trunk with a fresh scalar head (load_trunk), enough to count
+    # their work
     sft_file = f"{tiny.sft}/model.safetensors"
     cfg = compare.Config(task=tiny.task, sft=sft_file, reward_model=sft_file)
     c, flops, shapes, units, models = costs.measure_small(cfg, init_distributed(), B=8)
     for job in costs.JOBS:
-        assert costs.iteration_flops(c, job, **shapes[job]) == flops[job], job  # exact: the same counting rules
-    assert shapes["ppo"]["T"] > shapes["ppo"]["P"] + 1  # the rollout sampled several tokens (KV-cache steps counted)
+        # exact: the same counting rules
+        assert costs.iteration_flops(c, job, **shapes[job]) == flops[job], job
+    # the rollout sampled several tokens (KV-cache steps counted)
+    assert shapes["ppo"]["T"] > shapes["ppo"]["P"] + 1
     # online DPO's round: KV-cache steps sampled, and every phase did work (a dropped term shows)
     assert shapes["online_dpo"]["L"] > shapes["online_dpo"]["P"] + 1
     assert all(v > 0 for v in flops["online_dpo"].values())
@@ -2478,7 +2615,8 @@ def test_matched_kl_interpolation_by_hand():
     assert compare.at_kl([a], 1.0) is None  # one setting: no curve to read
 
 
-def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval(tiny, dpo_cache):  # noqa: F811
+def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval(  # noqa: F811
+        tiny, dpo_cache):
     d = init_distributed()
     c = dpo_cfg(tiny, "curve-chunks", steps=4, eval_k=2)
     points = compare.train_in_chunks(dpo, c, 2, d, resume=False)
@@ -2486,11 +2624,13 @@ def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval(t
     with open(tiny.root / "curve-chunks" / "eval.json") as f:
         ev = json.load(f)
     # the last point is the run's own final evaluation: the same policy, prompts, k and seed
-    assert {k: ev[k] for k in points[-1] if k != "step"} == {k: v for k, v in points[-1].items() if k != "step"}
+    assert ({k: ev[k] for k in points[-1] if k != "step"}
+            == {k: v for k, v in points[-1].items() if k != "step"})
     assert points[0]["kl"] != points[1]["kl"]  # the first point saw the policy halfway
     dpo.main(dpo_cfg(tiny, "curve-whole", steps=4, eval_k=2))
     a, b = dpo_weights(tiny.root / "curve-chunks"), dpo_weights(tiny.root / "curve-whole")
-    assert all(torch.equal(a[k], b[k]) for k in a)  # chunks and evaluations change nothing: bit for bit
+    # chunks and evaluations change nothing: bit for bit
+    assert all(torch.equal(a[k], b[k]) for k in a)
     # killed after the last chunk's checkpoint, before its evaluations: resuming trains nothing more
     # and writes the run's eval.json and the last point again
     out = tiny.root / "curve-chunks"
@@ -2504,26 +2644,33 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     root = tiny.root / "compare-test"
     task = root / "task"  # a slice of the task, so every run takes a second or two
     os.makedirs(task)
-    for name, n in (("pairs_train.jsonl", 256), ("pairs_val.jsonl", 64), ("prompts_train.jsonl", 256),
-                    ("prompts_eval.jsonl", 16)):
+    for name, n in (("pairs_train.jsonl", 256), ("pairs_val.jsonl", 64),
+                    ("prompts_train.jsonl", 256), ("prompts_eval.jsonl", 16)):
         (task / name).write_text("".join(open(f"{tiny.task}/{name}").readlines()[:n]))
     sft_file = f"{tiny.sft}/model.safetensors"
     precompute.main(precompute.Config(out_dir=str(root / "ref_logps"), ref_model=sft_file,
-                                      train_pairs=str(task / "pairs_train.jsonl"), val_pairs=str(task / "pairs_val.jsonl")))
-    cfg = compare.Config(out_dir=str(root / "out"), task=str(task), sft=sft_file, reward_model=sft_file,
-                         ref_logps=str(root / "ref_logps"), betas="0.1", kl_coefs="0.05", true_kl_coefs="",
+                                      train_pairs=str(task / "pairs_train.jsonl"),
+                                      val_pairs=str(task / "pairs_val.jsonl")))
+    cfg = compare.Config(out_dir=str(root / "out"), task=str(task), sft=sft_file,
+                         reward_model=sft_file, ref_logps=str(root / "ref_logps"), betas="0.1",
+                         kl_coefs="0.05", true_kl_coefs="",
                          seeds="1,1001", dpo_steps=2, ppo_iterations=2, eval_k=1, curve_beta=0.1,
-                         curve_kl_coef=0.05, curve_points=2, match_kls="0.001", rounds=1, time_steps=2)
+                         curve_kl_coef=0.05, curve_points=2, match_kls="0.001", rounds=1,
+                         time_steps=2)
     compare.main(cfg)
     with open(root / "out" / "frontier.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["run"], r["method"], r["seed"]) for r in rows] == [
-        ("ref", "π_ref", ""), ("dpo-beta0.1-seed1", "DPO", "1"), ("dpo-beta0.1-seed1001", "DPO", "1001"),
+        ("ref", "π_ref", ""), ("dpo-beta0.1-seed1", "DPO", "1"),
+        ("dpo-beta0.1-seed1001", "DPO", "1001"),
         ("ppo-kl0.05-seed1", "PPO", "1"), ("ppo-kl0.05-seed1001", "PPO", "1001")]
-    assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows for k in ("kl", "true_reward", "win_rate"))
-    assert rows[1]["kl"] != rows[2]["kl"] and rows[3]["kl"] != rows[4]["kl"]  # the seeds trained differently
+    assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows
+                                               for k in ("kl", "true_reward", "win_rate"))
+    # the seeds trained differently
+    assert rows[1]["kl"] != rows[2]["kl"] and rows[3]["kl"] != rows[4]["kl"]
     md = (root / "out" / "frontier.md").read_text()
-    for i in (1, 3):  # each setting's row: the mean over its two seeds ± the standard error across them
+    # each setting's row: the mean over its two seeds ± the standard error across them
+    for i in (1, 3):
         m, se = compare.mean_se([float(rows[j]["true_reward"]) for j in (i, i + 1)])
         assert f"{m:+.3f} ± {se:.3f}" in md
     # each curve: step 0 is π_ref, its last point the first seed's eval.json (ppo.py's and dpo.py's)
@@ -2534,23 +2681,28 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
         assert [int(r["step"]) for r in c] == [0, 1, 2] and float(c[0]["kl"]) == 0.0
         assert c[-1]["kl"] == row["kl"] and c[-1]["true_reward"] == row["true_reward"]
         assert float(c[0]["flops"]) == 0 < float(c[1]["flops"]) < float(c[2]["flops"])
-    assert [int(r["responses"]) for r in curves] == [0, 128, 256, 0, 64, 128]  # 2 x 64 pairs; 64 rollouts
+    # 2 x 64 pairs; 64 rollouts
+    assert [int(r["responses"]) for r in curves] == [0, 128, 256, 0, 64, 128]
     with open(root / "out" / "costs.json") as f:
         res = json.load(f)
     for job in costs.JOBS:
         r = res["jobs"][job]
-        assert r["bytes_analytic"] == r["bytes_measured"] and r["flops_analytic"] == r["flops_counted"], job
-    assert res["jobs"]["ppo"]["bytes_analytic"]["total"] > res["jobs"]["dpo_live"]["bytes_analytic"]["total"] \
+        assert (r["bytes_analytic"] == r["bytes_measured"]
+                and r["flops_analytic"] == r["flops_counted"]), job
+    assert res["jobs"]["ppo"]["bytes_analytic"]["total"] \
+        > res["jobs"]["dpo_live"]["bytes_analytic"]["total"] \
         > res["jobs"]["dpo_cache"]["bytes_analytic"]["total"]
     summary = (root / "out" / "summary.md").read_text()
     assert "python compare.py --out_dir" in summary and "frontier" in summary and "7B" in summary
     # resumed on two ranks with one more β: the five finished runs are skipped, only β 0.3 trains
-    args = [a for k, v in vars(replace(cfg, betas="0.1,0.3")).items() if not isinstance(v, bool) for a in (f"--{k}", str(v))]
+    args = [a for k, v in vars(replace(cfg, betas="0.1,0.3")).items() if not isinstance(v, bool)
+            for a in (f"--{k}", str(v))]
     p = run_torchrun("compare.py", args + ["--no-costs"])
     assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 5
     assert "[4/7] dpo-beta0.3-seed1: dpo.main" in p.stdout
     with open(root / "out" / "frontier.csv") as f:
-        assert [r["run"] for r in csv.DictReader(f)] == ["ref", "dpo-beta0.1-seed1", "dpo-beta0.1-seed1001",
+        assert [r["run"] for r in csv.DictReader(f)] == ["ref", "dpo-beta0.1-seed1",
+                                                        "dpo-beta0.1-seed1001",
                                                         "dpo-beta0.3-seed1", "dpo-beta0.3-seed1001",
                                                         "ppo-kl0.05-seed1", "ppo-kl0.05-seed1001"]
 
@@ -2755,9 +2907,10 @@ def test_bf16_ppo_first_ratio_is_one(tiny, bf16, tmp_path):  # noqa: F811
     n_params = sum(p.numel() for p in load_model(sft_file)[0].parameters())
     assert m["broadcast_MB"] * 2**20 == 2 * n_params and m["logprob_gap"] <= 5 * 0.00085, m
 
-# ====================================================================================================
-# reliability: non-finite and divergent runs, resume fingerprints, writable outputs, kills, truncation
-# ====================================================================================================
+# ==================================================================================================
+# reliability: non-finite and divergent runs, resume fingerprints, writable outputs,
+# kills, truncation
+# ==================================================================================================
 
 CPU = Dist(0, 0, 1, torch.device("cpu"), True, False)  # one process
 
@@ -3130,9 +3283,9 @@ def test_reward_resumed_equals_uninterrupted(tiny, dpo_cache, tmp_path):  # noqa
     assert steps[0] == steps[1] == [1, 10, 12]  # no extra line at the resumed run's first step
 
 
-# ====================================================================================================
+# ==================================================================================================
 # --fsdp: FSDP2 (fully_shard) instead of DDP, through plumbing.wrap; two gloo ranks
-# ====================================================================================================
+# ==================================================================================================
 
 def _fsdp_worker(rank, init_file, result_dir):
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -3141,7 +3294,8 @@ def _fsdp_worker(rank, init_file, result_dir):
     ref, model = tiny_gpt(), tiny_gpt()  # float64, the same init: one process, and two shards
     plumbing.wrap(model, d, fsdp=True)
     x = torch.randint(0, 13, (4, 2, 8), generator=torch.Generator().manual_seed(1))
-    nll = lambda m, xb: -sequence_logprobs(m, xb, F.pad(xb[:, 1:], (0, 1), value=-100)).sum()  # noqa: E731
+    nll = lambda m, xb: -sequence_logprobs(  # noqa: E731
+        m, xb, F.pad(xb[:, 1:], (0, 1), value=-100)).sum()
     sum(nll(ref, xb) for xb in x).div(4).backward()  # one process: the 4 micro-batches' mean
     r = {"blocks_sharded": all(isinstance(m, plumbing.FSDPModule)  # each block its own unit
                                for m in (model, *model.transformer.h))}
@@ -3194,12 +3348,13 @@ def _fsdp_worker(rank, init_file, result_dir):
 
 
 def test_fsdp_plumbing_on_two_gloo_ranks(tmp_path):
-    """plumbing's FSDP half in float64, two shards against one process: sync_grads defers the
+    ("""plumbing's FSDP half in float64, two shards against one process: sync_grads defers the
     reduce-scatter to the last micro-step and the gradients then equal the whole batch's; the
     clipped norm of the sharded grads is the unsharded norm; full_state gathers whole tensors;
     gathered runs unequal forwards; a checkpoint from the shards loads into one process and into
-    shards; and the per-rank bytes of the model state, DDP against FSDP. float64: only the order of sums differs (measured: grads 4e-16, weights after an Adam
-    step 2.3e-15; 1e-12 leaves room)."""
+    shards; and the per-rank bytes of the model state, DDP against FSDP. float64: only the"""
+     """ order of sums differs (measured: grads 4e-16, weights after an Adam
+    step 2.3e-15; 1e-12 leaves room).""")
     mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         with open(tmp_path / f"{rank}.json") as f:
@@ -3300,7 +3455,8 @@ def test_fsdp_reward_and_ppo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_eval
     ea, eb = (json.loads((p / "eval.json").read_text()) for p in (tiny_rm, tmp_path / "rm"))
     for k in ("val_accuracy", "offset", "ref_score_std"):  # the offset went into the shards
         assert abs(ea[k] - eb[k]) <= TWO_RANK_TOL, k
-    assert abs(saved_weights(tiny_rm)["score.bias"] - saved_weights(tmp_path / "rm")["score.bias"]) <= TWO_RANK_TOL
+    assert abs(saved_weights(tiny_rm)["score.bias"]
+               - saved_weights(tmp_path / "rm")["score.bias"]) <= TWO_RANK_TOL
     # ppo.py as test_ppo_two_ranks_equal_one_process, all four models sharded; the rollout copy
     # is refreshed from the gathered policy, so the iteration's rollouts would differ if it were not
     rm = str(tiny_rm / "model.safetensors")
