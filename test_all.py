@@ -71,13 +71,11 @@ TINY_MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=64)
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    ("""The built-in task and a tiny π_ref trained on it for a few steps, shared by the whole"""
-     """ session.
-    Paths: tiny.task (folder with pairs_*.jsonl, prompts_*.jsonl, tokenizer.json), tiny.sft"""
-     """ (folder with
-    model.safetensors and tokenizer.json), tiny.root (a folder to put further stages in: use a"""
-     """ subfolder
-    of your own, e.g. tiny.root / 'dpo-test-x', never write into tiny.task or tiny.sft).""")
+    """The built-in task and a tiny π_ref trained on it for a few steps, shared by the whole
+    session. Paths: tiny.task (folder with pairs_*.jsonl, prompts_*.jsonl, tokenizer.json),
+    tiny.sft (folder with model.safetensors and tokenizer.json), tiny.root (a folder to put further
+    stages in: use a subfolder of your own, e.g. tiny.root / 'dpo-test-x', never write into
+    tiny.task or tiny.sft)."""
     root = tmp_path_factory.mktemp("stack")
     task = str(root / "task")
     data.build_task(task, seed=0)
@@ -89,9 +87,8 @@ def tiny(tmp_path_factory):
 
 
 def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
-    ("""`torchrun --nproc_per_node=nproc script args` on the CPU (gloo); returns the"""
-     """ CompletedProcess,
-    failing the test with its output if it exits non-zero.""")
+    """`torchrun --nproc_per_node=nproc script args` on the CPU (gloo); returns the
+    CompletedProcess, failing the test with its output if it exits non-zero."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--standalone", os.path.join(HERE, script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
@@ -130,8 +127,8 @@ def test_causality():
 
 
 def naive_sdpa(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0):
-    ("""softmax(q k^T / sqrt(d)) v written out: a fully masked row is NaN here, as in older"""
-     """ SDPA kernels.""")
+    """softmax(q k^T / sqrt(d)) v written out: a fully masked row is NaN here, as in older SDPA
+    kernels."""
     if is_causal:
         attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
     s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~attn_mask, float("-inf"))
@@ -362,8 +359,8 @@ def test_gpt2_import_export(tmp_path):
 
 
 def word_tokenizer(path, words):
-    ("""A tokenizer.json of whitespace-split words: EOS 0, PAD 1, then the words."""
-     """ Returns its path.""")
+    """A tokenizer.json of whitespace-split words: EOS 0, PAD 1, then the words. Returns its
+    path."""
     vocab = {data.EOS: 0, data.PAD: 1, **{w: i + 2 for i, w in enumerate(words.split())}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token=data.EOS))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -3348,13 +3345,12 @@ def _fsdp_worker(rank, init_file, result_dir):
 
 
 def test_fsdp_plumbing_on_two_gloo_ranks(tmp_path):
-    ("""plumbing's FSDP half in float64, two shards against one process: sync_grads defers the
+    """plumbing's FSDP half in float64, two shards against one process: sync_grads defers the
     reduce-scatter to the last micro-step and the gradients then equal the whole batch's; the
     clipped norm of the sharded grads is the unsharded norm; full_state gathers whole tensors;
     gathered runs unequal forwards; a checkpoint from the shards loads into one process and into
-    shards; and the per-rank bytes of the model state, DDP against FSDP. float64: only the"""
-     """ order of sums differs (measured: grads 4e-16, weights after an Adam
-    step 2.3e-15; 1e-12 leaves room).""")
+    shards; and the per-rank bytes of the model state, DDP against FSDP. float64: only the order of
+    sums differs (measured: grads 4e-16, weights after an Adam step 2.3e-15; 1e-12 leaves room)."""
     mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         with open(tmp_path / f"{rank}.json") as f:
