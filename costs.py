@@ -490,8 +490,11 @@ def costs_markdown(res, cfg):
         f"per evaluation of the val pairs (every {pb['eval_every']} steps and at the end). By "
         f"FLOPs the train cache pays back after {pb['steps']:.0f} steps "
         f"({pb['steps'] / E:.2f} epochs) and the val cache after {pb['evals']:.1f} "
-        "evaluations: a run of one epoch or less saves memory (π_ref off the job), not FLOPs; "
-        "each later epoch saves π_ref's forward of every step. In wall time here it pays back "
+        "evaluations. Both passes see every pair once, so without padding the train cache pays "
+        "back after exactly one epoch (the 7B case below); here the precompute's batches, sorted "
+        "by length, pad less than training's, which moves it earlier. Either way a run of about "
+        "one epoch saves memory (π_ref off the job) more than FLOPs, and each later epoch saves "
+        "π_ref's forward of every step. In wall time here it pays back "
         f"after {res['payback_steps']:.0f} steps of saved reference forwards (measured).",
         "", f"## The same functions at 7B on {a['gpus']} GPUs", "",
         f"A GPT with Llama-2-7B's shape: {a['n_layer']} layers × {a['n_embd']} wide, "
