@@ -24,7 +24,6 @@ What DPO adds is that one-time precompute. Writes out/dpo/: model.safetensors (+
 metrics.jsonl, eval.json, ckpt/.
 """
 import os
-import shutil
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -36,8 +35,8 @@ import sft
 from evaluate import evaluate_policy, print_samples, summary, task_pool_best
 from model import (anatomy, estimate_flops, format_anatomy, freeze, load_model, matmul_shapes,
                    model_flops, save_model)
-from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
-                      check_finite_weights, clock, compile_metrics, full_state, gathered,
+from plumbing import (DIVERGED, Logger, adamw, atomic_copy, atomic_write_json, autocast, barrier,
+                      check, check_finite_weights, clock, compile_metrics, full_state, gathered,
                       init_distributed, input_fingerprint, lap, lr_at, measure_peak_flops,
                       parse_config, precision, prepare_outputs, reduce_sums, require_stage, resume,
                       save_checkpoint, sharded, split_batch, stop_if_diverged, stop_if_not_finite,
@@ -354,9 +353,8 @@ def main(cfg):
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "dpo", "step": cfg.steps, "ref_model": cfg.ref_model,
                     "loss": cfg.loss, "beta": cfg.beta}, weights)
-        tok_out = os.path.join(cfg.out_dir, "tokenizer.json")
-        shutil.copyfile(precompute.tokenizer_path(cfg.ref_model), tok_out + ".tmp")
-        os.replace(tok_out + ".tmp", tok_out)
+        atomic_copy(precompute.tokenizer_path(cfg.ref_model),
+                    os.path.join(cfg.out_dir, "tokenizer.json"))
         atomic_write_json(os.path.join(cfg.out_dir, "eval.json"),
                           {"val_accuracy": val_acc, "val_loss": val_loss, **ev,
                            "steps": cfg.steps, "loss": cfg.loss, "beta": cfg.beta})

@@ -22,7 +22,6 @@ it. Writes out/online_dpo/: model.safetensors (+ tokenizer.json), metrics.jsonl,
 """
 import copy
 import os
-import shutil
 from dataclasses import asdict, dataclass
 
 import torch
@@ -35,11 +34,11 @@ from dpo import dpo_loss
 from evaluate import evaluate_policy, print_samples, summary, task_pool_best
 from model import (anatomy, estimate_flops, format_anatomy, freeze, generate, generate_flops,
                    matmul_shapes, model_flops, save_model)
-from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check, clock,
-                      compile_metrics, full_state, gathered, init_distributed, input_fingerprint,
-                      lap, lr_at, measure_peak_flops, parse_config, precision, prepare_outputs,
-                      reduce_sums, require_stage, resume, save_checkpoint, sharded, split_batch,
-                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
+from plumbing import (DIVERGED, Logger, adamw, atomic_copy, atomic_write_json, autocast, barrier,
+                      check, clock, compile_metrics, full_state, gathered, init_distributed,
+                      input_fingerprint, lap, lr_at, measure_peak_flops, parse_config, precision,
+                      prepare_outputs, reduce_sums, require_stage, resume, save_checkpoint, sharded,
+                      split_batch, stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
 from ppo import broadcast_weights
 
 # ==== config
@@ -349,9 +348,7 @@ def main(cfg):
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "online_dpo", "iterations": cfg.iterations, "sft": cfg.sft,
                     "reward": cfg.reward, "beta": cfg.beta}, weights)
-        tok_out = os.path.join(cfg.out_dir, "tokenizer.json")
-        shutil.copyfile(tok_path, tok_out + ".tmp")
-        os.replace(tok_out + ".tmp", tok_out)
+        atomic_copy(tok_path, os.path.join(cfg.out_dir, "tokenizer.json"))
         atomic_write_json(os.path.join(cfg.out_dir, "eval.json"), {
             **ev, "iterations": cfg.iterations, "reward": cfg.reward, "beta": cfg.beta,
             "time_shares": shares, "anatomy": layout})

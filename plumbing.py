@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -355,6 +356,12 @@ def atomic_write_text(path, text):
 
 def atomic_write_json(path, obj):
     atomic_write_text(path, json.dumps(obj, indent=1))
+
+
+def atomic_copy(src, dst):
+    """src's bytes to dst, through a temp file and a rename, as atomic_write_text."""
+    shutil.copyfile(src, dst + ".tmp")
+    os.replace(dst + ".tmp", dst)
 
 
 def file_mode():

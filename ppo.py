@@ -19,7 +19,6 @@ prompts) and a resumable checkpoint in ckpt/.
 import copy
 import itertools
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 
@@ -34,12 +33,11 @@ import sft
 from evaluate import evaluate_policy, print_samples, summary, task_pool_best
 from model import (anatomy, estimate_flops, format_anatomy, freeze, generate, generate_flops,
                    matmul_shapes, model_flops, save_model, sequence_logprobs)
-from plumbing import (Logger, all_reduce_sum, atomic_write_json, autocast, barrier, check, clock,
-                      compile_metrics, full_state, gathered, init_distributed,
-                      input_fingerprint, lap, lr_at,
-                      measure_peak_flops, parse_config, precision, prepare_outputs, reduce_sums,
-                      require_stage, resume, save_checkpoint, sharded, split_batch,
-                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
+from plumbing import (Logger, all_reduce_sum, atomic_copy, atomic_write_json, autocast, barrier,
+                      check, clock, compile_metrics, full_state, gathered, init_distributed,
+                      input_fingerprint, lap, lr_at, measure_peak_flops, parse_config, precision,
+                      prepare_outputs, reduce_sums, require_stage, resume, save_checkpoint, sharded,
+                      split_batch, stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
 
 # ==== config
 
@@ -535,9 +533,7 @@ def main(cfg):
         save_model(policy, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "ppo", "iterations": cfg.iterations, "sft": cfg.sft,
                     "reward": cfg.reward}, weights)
-        tok_out = os.path.join(cfg.out_dir, "tokenizer.json")
-        shutil.copyfile(os.path.join(os.path.dirname(cfg.sft), "tokenizer.json"), tok_out + ".tmp")
-        os.replace(tok_out + ".tmp", tok_out)
+        atomic_copy(tok_path, os.path.join(cfg.out_dir, "tokenizer.json"))
         atomic_write_json(os.path.join(cfg.out_dir, "eval.json"), {
             **ev, "iterations": cfg.iterations, "reward": cfg.reward, "kl_coef": kl_coef,
             "reward_model_val_accuracy": rm_meta.get("val_accuracy"), "time_shares": shares,

@@ -11,7 +11,6 @@ ckpt/.
 """
 import json
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 
@@ -20,11 +19,10 @@ import torch
 import data
 from model import (GPT, GPTConfig, estimate_flops, import_gpt2, matmul_shapes, model_flops,
                    save_model, sequence_logprobs)
-from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
-                      compile_metrics, full_state, gathered, init_distributed,
-                      input_fingerprint, lr_at, measure_peak_flops, parse_config,
-                      prepare_outputs, reduce_sums,
-                      require_stage, resume, save_checkpoint, sharded, split_batch,
+from plumbing import (DIVERGED, Logger, adamw, atomic_copy, atomic_write_json, autocast, barrier,
+                      check, compile_metrics, full_state, gathered, init_distributed,
+                      input_fingerprint, lr_at, measure_peak_flops, parse_config, prepare_outputs,
+                      reduce_sums, require_stage, resume, save_checkpoint, sharded, split_batch,
                       stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
 
 
@@ -221,9 +219,7 @@ def main(cfg):
         save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
                    {"stage": "sft", "step": cfg.steps, "val_loss": final,
                     "train_text": cfg.train_text}, weights)
-        tok_out = os.path.join(cfg.out_dir, "tokenizer.json")
-        shutil.copyfile(cfg.tokenizer, tok_out + ".tmp")
-        os.replace(tok_out + ".tmp", tok_out)
+        atomic_copy(cfg.tokenizer, os.path.join(cfg.out_dir, "tokenizer.json"))
         atomic_write_json(os.path.join(cfg.out_dir, "eval.json"),
                           {"val_loss": final, "floor_nats_per_token": floor,
                            "train_truncated": stats["truncated"], "steps": cfg.steps})
