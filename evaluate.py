@@ -101,7 +101,8 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
             new |= {side + "eos": ended.sum(), side + "len": o["response_mask"].sum(),
                     side + "score": score.sum(), side + "score2": (score * score).sum(),
                     side + "finished": torch.where(ended, r, 0.0).sum(),
-                    side + "beyond": (score > (math.inf if pool_best is None else pool_best)).sum()}
+                    **({side + "beyond": (score > pool_best).sum()} if pool_best is not None
+                       else {})}
             sides.append((texts, ended, score))
         (texts, ended, score), (ref_texts, ref_ended, ref_score) = sides
         new["wins"] = ((score > ref_score).double() + 0.5 * (score == ref_score).double()).sum()

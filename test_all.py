@@ -2348,9 +2348,10 @@ def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted
     assert all(0 < x["ties"] < 1 for x in a)  # neither vacuous nor all ties: the labels matter
     # --fsdp on the same 2 ranks: policy, π_ref and r_φ sharded, the same rounds (the same
     # tolerance: sharding changes only the order of fp32 sums), the model saved whole
-    run_torchrun("online_dpo.py",
-                 [f"--{k}={v}" for k, v in {**cfg, "out_dir": root / "fsdp"}.items()]
-                 + ["--fsdp"])
+    p = run_torchrun("online_dpo.py",
+                     [f"--{k}={v}" for k, v in {**cfg, "out_dir": root / "fsdp"}.items()]
+                     + ["--fsdp"])
+    assert "sharded (FSDP2)" in p.stdout  # the policy was sharded, not replicated
     c = dpo_metrics(root / "fsdp")
     for k in ("ties", "eos_rate", "response_len", "true_reward"):
         assert [x[k] for x in a] == [y[k] for y in c], k
