@@ -61,7 +61,7 @@ class Config:
     reward_model: str = "out/reward/model.safetensors"  # r_φ for PPO; built by reward.py if missing
     ref_logps: str = "out/ref_logps"  # DPO's cache of log π_ref; built by precompute.py if missing
     betas: str = "0.1,0.3,1,3"  # DPO runs: one per β, comma-separated
-    kl_coefs: str = "0.03,0.1,0.3,1"  # PPO runs with r_φ: one per KL coefficient
+    kl_coefs: str = "0.03,0.1,0.3"  # PPO runs with r_φ: one per KL coefficient
     true_kl_coefs: str = "0.1"  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
     online_betas: str = ""  # online DPO runs (online_dpo.py, r_φ labels): one per β ("" = none)
     # task regimes (data.REGIMES), each a frontier of its own: its task beside --task (out/task:
@@ -77,7 +77,7 @@ class Config:
     dpo_lr: float = dpo.Config.lr  # every DPO run's peak learning rate
     ppo_lr: float = ppo.Config.lr  # every PPO run's peak learning rate
     eval_k: int = dpo.Config.eval_k  # completions per held-out prompt, every run and π_ref alike
-    match_kls: str = "1,2,3"  # KL values (nats) at which the methods are compared, interpolated
+    match_kls: str = "1,2,4,6,8"  # KL values (nats) at which the methods are compared, interpolated
     curve_beta: float = 0.3  # DPO's learning curve: the first seed's run at this β (one of betas)
     curve_kl_coef: float = 0.1  # PPO's learning curve: its run at this KL coef (one of kl_coefs)
     curve_points: int = 5  # evaluations along each learning curve (0 = no curves)

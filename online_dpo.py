@@ -53,12 +53,12 @@ class Config:
     eval_prompts: str = "out/task/prompts_eval.jsonl"  # held-out prompts for eval.json
     reward: str = "model"  # "model": r_φ labels the pairs; "true": the hidden true reward does
     beta: float = 0.5  # the KL(π‖π_ref) constraint, as dpo.py's
-    iterations: int = 100  # rounds of rollout + one DPO step on its pairs (dpo.py's 100 steps)
+    iterations: int = 200  # rounds of rollout + one DPO step on its pairs (dpo.py's 200 steps)
     rollout_batch: int = 64  # prompts per round, all ranks: 64 pairs, dpo.py's batch
     micro_batch_size: int = 32  # pairs per forward on one rank (2x rows); accumulation is derived
     max_prompt_len: int = 32  # a longer prompt keeps BOS and its last tokens (ppo.py's rule)
     missing_eos_score: float = -1.0  # score of a completion that never emitted EOS (ppo.py's)
-    lr: float = 3e-4  # peak AdamW learning rate (dpo.py's)
+    lr: float = 1e-3  # peak AdamW learning rate (dpo.py's)
     warmup: int = 10  # linear warmup rounds, then cosine decay
     min_lr_frac: float = 0.1  # cosine ends at this fraction of lr
     weight_decay: float = 0.0  # AdamW decay on matrices; 0 as dpo.py: KL regularises

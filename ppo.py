@@ -50,10 +50,10 @@ class Config:
     prompts: str = "out/task/prompts_train.jsonl"  # rollout prompts: JSONL {"prompt"}, or lines
     eval_prompts: str = "out/task/prompts_eval.jsonl"  # held-out prompts for eval.json
     reward: str = "model"  # "model": r_φ scores; "true": the hidden true reward (PPO-GT baseline)
-    iterations: int = 15  # rounds of rollout + update
+    iterations: int = 30  # rounds of rollout + update (tune.py: true reward flattens at 30-35)
     rollout_batch: int = 64  # prompts rolled out per iteration, all ranks (one completion each)
     mini_batch: int = 32  # rollouts per optimizer step, all ranks together
-    micro_batch_size: int = 4  # rollouts per forward on one rank (4: 8 ranks divide a minibatch)
+    micro_batch_size: int = 16  # at most this many rollouts per forward on one rank (8 ranks: 4)
     ppo_epochs: int = 4  # passes over each rollout batch (lm-human-preferences and TRL: 4)
     max_prompt_len: int = 32  # a longer prompt keeps BOS and its last tokens; the response fills
     temperature: float = 1.0  # sampling temperature T; every log-prob divides the logits by it
@@ -67,7 +67,7 @@ class Config:
     cliprange_value: float = 0.2  # how far a value prediction may move from its rollout value
     vf_coef: float = 0.1  # weight of the value loss in the shared loss (TRL's default)
     missing_eos_score: float = -1.0  # score of a response that never emitted EOS (N details)
-    lr: float = 1e-4  # peak AdamW lr, policy and critic (3e-5 moves this model too slowly)
+    lr: float = 1e-4  # peak AdamW lr, policy and critic (tune.py: 3e-5 too slow, 3e-4 lower)
     warmup: int = 0  # linear warmup iterations, then cosine decay
     min_lr_frac: float = 1.0  # cosine ends at this fraction of lr (1: constant)
     grad_clip: float = 1.0  # max global grad norm, policy and critic together

@@ -1,0 +1,156 @@
+"""Tuning each method before the frontier: the settings compare.py's defaults come from.
+
+    python tune.py                 # DPO's lr and budget, PPO's lr, epochs, rollout batch and budget
+    python tune.py --seeds 1337    # one seed: half the time
+    python tune.py --help          # every flag
+
+Each method is tuned at the frontier setting its learning curve uses (DPO β --beta, PPO with r_φ at
+KL coef --kl_coef), one factor at a time around its current default, every setting once per seed,
+all from the same π_ref, pairs, r_φ and reference cache. What it measures is where each method's
+true reward stops rising with budget, and which setting gets there first:
+- DPO: a run per lr and per length in optimizer steps (--dpo_steps); separate runs, not one run
+  observed in chunks, because the cosine schedule depends on the run's length.
+- PPO: a run per setting of lr, PPO epochs and rollout batch, each given the same budget in scored
+  rollouts (--ppo_rollouts) and observed in --points chunks (its lr is constant, so a chunk is the
+  shorter run, exactly).
+Every policy is scored by the frontier's evaluation (evaluate_policy): true reward and KL on the
+held-out prompts. Writes out/tune/tune.md (the tables, the tuning budget each method was given)
+and tune.csv (one row per run and point: per seed). A run already finished is skipped.
+"""
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import compare
+import dpo
+import ppo
+from compare import ev_fields, floats, mean_se, pm, seed_list, train_in_chunks
+from costs import table
+from plumbing import (atomic_write_json, atomic_write_text, check, fmt_duration, init_distributed,
+                      main_decides, parse_config, teardown)
+
+
+@dataclass
+class Config:
+    out_dir: str = "out/tune"  # tables, and one folder per run
+    seeds: str = "1337,2337"  # every setting once per seed
+    beta: float = 0.3  # DPO's β while tuning (compare.py's --curve_beta)
+    dpo_lrs: str = "1e-4,3e-4,1e-3"  # DPO peak learning rates
+    dpo_steps: str = "100,200,300"  # DPO run lengths, in steps of 64 pairs (100: one epoch)
+    kl_coef: float = 0.1  # PPO's KL coefficient while tuning (compare.py's --curve_kl_coef)
+    ppo_lrs: str = "3e-5,1e-4,3e-4"  # PPO peak learning rates, at the default epochs and batch
+    ppo_epochs: str = "2,4"  # PPO epochs per rollout batch, at the default lr and batch
+    rollout_batches: str = "64,128"  # prompts per iteration, at the default lr and epochs
+    ppo_rollouts: int = 2560  # every PPO run's budget: rollouts scored by r_φ
+    points: int = 8  # evaluations along each PPO run
+
+
+def runs(cfg):
+    """(name, stage, Config): DPO's lr × length grid; PPO one factor at a time around ppo.Config's
+    defaults, each setting's iterations = --ppo_rollouts / its rollout batch."""
+    out, seeds = [], seed_list(cfg)
+    for lr in floats(cfg.dpo_lrs):
+        for n in [int(v) for v in floats(cfg.dpo_steps)]:
+            out += [(f"dpo-lr{lr:g}-steps{n}-seed{s}", dpo, dpo.Config(
+                out_dir=f"{cfg.out_dir}/dpo-lr{lr:g}-steps{n}-seed{s}", beta=cfg.beta, lr=lr,
+                steps=n, seed=s)) for s in seeds]
+    base = ppo.Config()
+    grid = [("lr", lr) for lr in floats(cfg.ppo_lrs)] + \
+        [("ppo_epochs", int(e)) for e in floats(cfg.ppo_epochs) if e != base.ppo_epochs] + \
+        [("rollout_batch", int(b)) for b in floats(cfg.rollout_batches) if b != base.rollout_batch]
+    for field, v in grid:
+        c = replace(base, kl_coef=cfg.kl_coef, **{field: v})
+        check(cfg.ppo_rollouts % c.rollout_batch == 0,
+              f"--ppo_rollouts {cfg.ppo_rollouts} is not a multiple of rollout batch "
+              f"{c.rollout_batch}")
+        tag = f"ppo-{field}{v:g}"
+        out += [(f"{tag}-seed{s}", ppo, replace(
+            c, out_dir=f"{cfg.out_dir}/{tag}-seed{s}",
+            iterations=cfg.ppo_rollouts // c.rollout_batch, seed=s)) for s in seeds]
+    return out
+
+
+def train(name, stage, c, cfg, d):
+    """One run (resumed if interrupted): its points [{"step", "responses", "flops", evaluation}];
+    DPO's one point is the run's end, PPO's are --points chunks."""
+    if stage is dpo:
+        stage.main(replace(c, resume=True))
+        points = [{"step": c.steps, **json.loads(Path(c.out_dir, "eval.json").read_text())}]
+    else:
+        points = train_in_chunks(stage, c, cfg.points, d, True)
+    per_step = 2 * c.batch_size if stage is dpo else c.rollout_batch
+    cum = compare.loop_flops(c, points[-1]["step"])
+    return [{"step": p["step"], "responses": p["step"] * per_step, "flops": cum[p["step"]],
+             **ev_fields(p)} for p in points]
+
+
+def setting_of(name):
+    return name.rsplit("-seed", 1)[0]
+
+
+def markdown(rows, cfg, walls):
+    """Per method: each setting's points, mean ± s.e. over seeds; then the budget spent tuning."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["setting"], r["step"]), []).append(r)
+    body = {"dpo": [], "ppo": []}
+    for (setting, step), rs in groups.items():
+        body[setting.split("-")[0]].append(
+            [setting, step, f"{rs[0]['responses']:,}",
+             f"{mean_se([r['flops'] for r in rs])[0]:.3g}",
+             pm(*mean_se([r["kl"] for r in rs]), ".2f"),
+             pm(*mean_se([r["true_reward"] for r in rs]), "+.2f"),
+             pm(*mean_se([r["response_len"] for r in rs]), ".1f"), len(rs)])
+    head = ["setting", "step", "responses", "loop FLOPs", "KL(π‖π_ref) nats", "true reward",
+            "response tokens", "seeds"]
+    spent = {m: (sum(1 for n in walls if n.startswith(m)), sum(w for n, w in walls.items()
+                                                              if n.startswith(m)),
+                 sum(r["flops"] for r in rows if r["run"].startswith(m) and r["last"]),
+                 sum(r["responses"] for r in rows if r["run"].startswith(m) and r["last"]))
+             for m in ("dpo", "ppo")}
+    budget = "; ".join(f"{m.upper()}: {n} runs, {resp:,} responses, {fl:.3g} loop FLOPs, "
+                       f"{fmt_duration(w)} of training and evaluation"
+                       for m, (n, w, fl, resp) in spent.items())
+    return (f"## DPO (β {cfg.beta:g}): lr × length in steps, separate runs\n\n"
+            f"{table(head, body['dpo'])}\n\n"
+            f"## PPO (r_φ, KL coef {cfg.kl_coef:g}): one factor at a time around ppo.py's "
+            f"defaults, {cfg.ppo_rollouts:,} scored rollouts each\n\n{table(head, body['ppo'])}\n\n"
+            f"Each cell: mean ± standard error over the seeds ({cfg.seeds}), scored by the "
+            "frontier's evaluation (true reward and KL on the held-out prompts). Responses: DPO, "
+            "2 labelled per pair; PPO, 1 scored rollout per prompt. Loop FLOPs: the training "
+            f"loop's model FLOPs, cumulative. Tuning budget: {budget}.")
+
+
+def main(cfg):
+    d = init_distributed()
+    say = lambda *a: print(*a, flush=True) if d.is_main else None  # noqa: E731
+    todo, rows, walls, t0 = runs(cfg), [], {}, time.time()
+    for i, (name, stage, c) in enumerate(todo):
+        done = f"{c.out_dir}/tune.json"  # the run's points and config, once it has finished
+        rec = main_decides(os.path.exists(done), d) and json.loads(Path(done).read_text())
+        if not rec or rec["config"] != asdict(c):
+            say(f"[{i + 1}/{len(todo)}] {name}")
+            t1 = time.time()
+            points = train(name, stage, c, cfg, d)
+            rec = {"config": asdict(c), "points": points, "wall_s": time.time() - t1}
+            if d.is_main:
+                atomic_write_json(done, rec)
+            say(f"[{i + 1}/{len(todo)}] {name} done in {fmt_duration(rec['wall_s'])}, "
+                f"tune.py {fmt_duration(time.time() - t0)} so far")
+        walls[name] = rec["wall_s"]
+        rows += [dict(run=name, setting=setting_of(name), seed=c.seed, last=p is rec["points"][-1],
+                      **p) for p in rec["points"]]
+    if d.is_main:
+        compare.write_csv(f"{cfg.out_dir}/tune.csv", rows)
+        md = markdown(rows, cfg, walls)
+        atomic_write_text(f"{cfg.out_dir}/tune.md", f"# Tuning, measured\n\nProduced by "
+                          f"`python {compare.command(cfg).replace('compare.py', 'tune.py')}`.\n\n"
+                          f"{md}\n")
+        say(md + f"\nwrote {cfg.out_dir}/tune.md and tune.csv")
+    teardown(d)
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, doc=__doc__))
