@@ -53,6 +53,7 @@ import ppo
 import precompute
 import reward
 import sft
+import tune
 from evaluate import evaluate_policy
 from model import (GPT, GPTConfig, anatomy, count_flops, estimate_flops, export_gpt2,
     format_anatomy, freeze, generate, generate_flops, import_gpt2, load_model, model_flops,
@@ -2424,6 +2425,31 @@ def test_compare_regimes_paths_and_a_bad_regime(tmp_path):
         compare.regimes(replace(cfg, regimes="default,greedy"))
     with pytest.raises(SystemExit, match="distinct"):
         compare.regimes(replace(cfg, regimes="capped,capped"))
+
+
+def test_tune_varies_one_factor_at_a_time_at_one_budget_in_rollouts(tmp_path):
+    """tune.py's PPO grid: each run differs from ppo.py's defaults in its one tuned field (the default
+    setting once, not once per factor), and every run scores the same number of rollouts; DPO's grid
+    is lr × length at one β."""
+    cfg = tune.Config(out_dir=str(tmp_path), seeds="1,2", ppo_lrs="3e-5,1e-4",
+                      ppo_epochs="2,4", rollout_batches="64,128", ppo_rollouts=1280)
+    runs = tune.runs(cfg)
+    base, tuned = ppo.Config(), ("lr", "ppo_epochs", "rollout_batch")
+    ppos = [c for _, stage, c in runs if stage is ppo]
+    moved = sorted(tuple(f for f in tuned if getattr(c, f) != getattr(base, f)) for c in ppos)
+    assert base.lr == 1e-4 and base.ppo_epochs == 4 and base.rollout_batch == 64
+    assert moved == [(), (), ("lr",), ("lr",), ("ppo_epochs",), ("ppo_epochs",),
+                     ("rollout_batch",), ("rollout_batch",)]
+    assert all(c.iterations * c.rollout_batch == 1280 and c.kl_coef == cfg.kl_coef for c in ppos)
+    dpos = [c for _, stage, c in runs if stage is dpo]
+    assert sorted((c.lr, c.steps, c.seed) for c in dpos) == sorted(
+        (lr, n, s) for lr in (1e-4, 3e-4, 1e-3) for n in (100, 200, 300) for s in (1, 2))
+    assert all(c.beta == cfg.beta for c in dpos)
+    names = [name for name, _, c in runs]
+    assert len(set(names)) == len(names) and all(
+        c.out_dir == f"{tmp_path}/{name}" for name, _, c in runs)
+    with pytest.raises(SystemExit, match="not a multiple of rollout batch 128"):
+        tune.runs(replace(cfg, ppo_rollouts=1216))
 
 
 def constant_gpt(vocab_size, favourite, block_size=64):
