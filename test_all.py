@@ -2428,9 +2428,9 @@ def test_compare_regimes_paths_and_a_bad_regime(tmp_path):
 
 
 def test_tune_varies_one_factor_at_a_time_at_one_budget_in_rollouts(tmp_path):
-    """tune.py's PPO grid: each run differs from ppo.py's defaults in its one tuned field (the default
-    setting once, not once per factor), and every run scores the same number of rollouts; DPO's grid
-    is lr × length at one β."""
+    """tune.py's PPO grid: each run differs from ppo.py's defaults in its one tuned field (the
+    default setting once, not once per factor), and every run scores the same number of rollouts;
+    DPO's grid is lr × length at one β."""
     cfg = tune.Config(out_dir=str(tmp_path), seeds="1,2", ppo_lrs="3e-5,1e-4",
                       ppo_epochs="2,4", rollout_batches="64,128", ppo_rollouts=1280)
     runs = tune.runs(cfg)

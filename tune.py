@@ -38,7 +38,7 @@ class Config:
     seeds: str = "1337,2337"  # every setting once per seed
     beta: float = 0.3  # DPO's β while tuning (compare.py's --curve_beta)
     dpo_lrs: str = "1e-4,3e-4,1e-3"  # DPO peak learning rates
-    dpo_steps: str = "100,200,300"  # DPO run lengths, in steps of 64 pairs (100: one epoch)
+    dpo_steps: str = "100,200,300"  # DPO run lengths, steps of 64 pairs (the task's epoch: 62)
     kl_coef: float = 0.1  # PPO's KL coefficient while tuning (compare.py's --curve_kl_coef)
     ppo_lrs: str = "3e-5,1e-4,3e-4"  # PPO peak learning rates, at the default epochs and batch
     ppo_epochs: str = "2,4"  # PPO epochs per rollout batch, at the default lr and batch
