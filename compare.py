@@ -1,6 +1,6 @@
 """PPO and DPO side by side: what leaves the cluster when DPO replaces PPO, in measured numbers.
 
-    python compare.py                       # 3 seeds, curves, costs (~15 min on 2 CPU cores)
+    python compare.py                       # 3 seeds, curves, costs (19 min on 2 CPU cores)
     torchrun --nproc_per_node=8 compare.py  # the same, every run on 8 ranks (plain DDP)
     python compare.py --betas 0.03,0.1,0.3,1,3 --kl_coefs 0.01,0.1,1 --seeds 1,1001,2001,3001
     python compare.py --no-costs            # the frontier only (--no-frontier: the costs only)

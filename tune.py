@@ -1,6 +1,6 @@
 """Tuning each method before the frontier: the settings compare.py's defaults come from.
 
-    python tune.py                 # DPO's lr and budget, PPO's lr, epochs, rollout batch and budget
+    python tune.py                 # DPO's lr and length, PPO's lr, epochs, batch: 24 min
     python tune.py --seeds 1337    # one seed: half the time
     python tune.py --help          # every flag
 
