@@ -102,9 +102,10 @@ def markdown(rows, cfg, walls):
              f"{mean_se([r['flops'] for r in rs])[0]:.3g}",
              pm(*mean_se([r["kl"] for r in rs]), ".2f"),
              pm(*mean_se([r["true_reward"] for r in rs]), "+.2f"),
+             pm(*mean_se([r["eos_rate"] for r in rs]), ".3f"),
              pm(*mean_se([r["response_len"] for r in rs]), ".1f"), len(rs)])
     head = ["setting", "step", "responses", "loop FLOPs", "KL(π‖π_ref) nats", "true reward",
-            "response tokens", "seeds"]
+            "EOS rate", "response tokens", "seeds"]
     spent = {m: (sum(1 for n in walls if n.startswith(m)), sum(w for n, w in walls.items()
                                                               if n.startswith(m)),
                  sum(r["flops"] for r in rows if r["run"].startswith(m) and r["last"]),
