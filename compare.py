@@ -292,17 +292,20 @@ def loop_flops(c, n):
     return [sum(per[:i]) for i in range(n + 1)]
 
 
-def curve_rows(name, stage, c, ref_ev, points):
-    """Rows of curves.csv: step 0 (the policy is π_ref: its evaluation), then every point. The
+def budget_rows(stage, c, points):
+    """Each evaluated point of a run ({"step", evaluation}) with the budget spent to reach it. The
     budget unit: responses that carried a preference signal into training: 2 labelled responses
-    per DPO pair, 1 r_φ-scored rollout per PPO prompt."""
+    per DPO pair, 1 r_φ-scored rollout per PPO prompt; and the loop's cumulative FLOPs."""
     per_step = 2 * c.batch_size if stage is dpo else c.rollout_batch
     cum = loop_flops(c, points[-1]["step"])
-    rows = []
-    for p in [{"step": 0, **ref_ev}] + points:
-        rows.append(dict(run=name, method=method_of(stage, c), step=p["step"],
-                         responses=p["step"] * per_step, flops=cum[p["step"]], **ev_fields(p)))
-    return rows
+    return [dict(step=p["step"], responses=p["step"] * per_step, flops=cum[p["step"]],
+                 **ev_fields(p)) for p in points]
+
+
+def curve_rows(name, stage, c, ref_ev, points):
+    """Rows of curves.csv: step 0 (the policy is π_ref: its evaluation), then every point."""
+    return [dict(run=name, method=method_of(stage, c), **r)
+            for r in budget_rows(stage, c, [{"step": 0, **ref_ev}] + points)]
 
 
 # -----------------------------------------------------------------------------
@@ -568,12 +571,12 @@ def write_tables(rows, curves, cfg):
     return md
 
 
-def command(cfg):
-    """compare.py with the flags that differ from the defaults: the command that reproduces the
+def command(cfg, script="compare.py"):
+    """script with the flags that differ from cfg's defaults: the command that reproduces the
     tables."""
     flag = lambda f, v: (f"--{'' if v else 'no-'}{f.name}" if isinstance(v, bool)  # noqa: E731
                          else f"--{f.name} {shlex.quote(str(v))}")
-    return " ".join(["compare.py"] + [flag(f, getattr(cfg, f.name)) for f in fields(cfg)
+    return " ".join([script] + [flag(f, getattr(cfg, f.name)) for f in fields(cfg)
                                       if getattr(cfg, f.name) != f.default])
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import compare
 import dpo
 import ppo
-from compare import ev_fields, floats, mean_se, pm, seed_list, train_in_chunks
+from compare import budget_rows, floats, mean_se, pm, seed_list, train_in_chunks
 from costs import table
 from plumbing import (atomic_write_json, atomic_write_text, check, fmt_duration, init_distributed,
                       main_decides, parse_config, teardown)
@@ -72,7 +72,7 @@ def runs(cfg):
     return out
 
 
-def train(name, stage, c, cfg, d):
+def train(stage, c, cfg, d):
     """One run (resumed if interrupted): its points [{"step", "responses", "flops", evaluation}];
     DPO's one point is the run's end, PPO's are --points chunks."""
     if stage is dpo:
@@ -80,10 +80,7 @@ def train(name, stage, c, cfg, d):
         points = [{"step": c.steps, **json.loads(Path(c.out_dir, "eval.json").read_text())}]
     else:
         points = train_in_chunks(stage, c, cfg.points, d, True)
-    per_step = 2 * c.batch_size if stage is dpo else c.rollout_batch
-    cum = compare.loop_flops(c, points[-1]["step"])
-    return [{"step": p["step"], "responses": p["step"] * per_step, "flops": cum[p["step"]],
-             **ev_fields(p)} for p in points]
+    return budget_rows(stage, c, points)
 
 
 def setting_of(name):
@@ -106,14 +103,14 @@ def markdown(rows, cfg, walls):
              pm(*mean_se([r["response_len"] for r in rs]), ".1f"), len(rs)])
     head = ["setting", "step", "responses", "loop FLOPs", "KL(π‖π_ref) nats", "true reward",
             "EOS rate", "response tokens", "seeds"]
-    spent = {m: (sum(1 for n in walls if n.startswith(m)), sum(w for n, w in walls.items()
-                                                              if n.startswith(m)),
-                 sum(r["flops"] for r in rows if r["run"].startswith(m) and r["last"]),
-                 sum(r["responses"] for r in rows if r["run"].startswith(m) and r["last"]))
-             for m in ("dpo", "ppo")}
-    budget = "; ".join(f"{m.upper()}: {n} runs, {resp:,} responses, {fl:.3g} loop FLOPs, "
-                       f"{fmt_duration(w)} of training and evaluation"
-                       for m, (n, w, fl, resp) in spent.items())
+    spent = []
+    for m in ("dpo", "ppo"):  # each run's last point holds its whole budget
+        ends = [r for r in rows if r["run"].startswith(m) and r["last"]]
+        spent.append(f"{m.upper()}: {len(ends)} runs, {sum(r['responses'] for r in ends):,} "
+                     f"responses, {sum(r['flops'] for r in ends):.3g} loop FLOPs, "
+                     f"{fmt_duration(sum(walls[r['run']] for r in ends))} of training and "
+                     "evaluation")
+    budget = "; ".join(spent)
     return (f"## DPO (β {cfg.beta:g}): lr × length in steps, separate runs\n\n"
             f"{table(head, body['dpo'])}\n\n"
             f"## PPO (r_φ, KL coef {cfg.kl_coef:g}): one factor at a time around ppo.py's "
@@ -134,7 +131,7 @@ def main(cfg):
         if not rec or rec["config"] != asdict(c):
             say(f"[{i + 1}/{len(todo)}] {name}")
             t1 = time.time()
-            points = train(name, stage, c, cfg, d)
+            points = train(stage, c, cfg, d)
             rec = {"config": asdict(c), "points": points, "wall_s": time.time() - t1}
             if d.is_main:
                 atomic_write_json(done, rec)
@@ -147,7 +144,7 @@ def main(cfg):
         compare.write_csv(f"{cfg.out_dir}/tune.csv", rows)
         md = markdown(rows, cfg, walls)
         atomic_write_text(f"{cfg.out_dir}/tune.md", f"# Tuning, measured\n\nProduced by "
-                          f"`python {compare.command(cfg).replace('compare.py', 'tune.py')}`.\n\n"
+                          f"`python {compare.command(cfg, 'tune.py')}`.\n\n"
                           f"{md}\n")
         say(md + f"\nwrote {cfg.out_dir}/tune.md and tune.csv")
     teardown(d)
