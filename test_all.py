@@ -2007,6 +2007,7 @@ def _broadcast_worker(rank, init_file, result_dir):
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(dict(same=same, tied=tied, sample_same=sample_same, bytes=n_bytes,
                        want_bytes=4 * n_params, seconds=seconds), f)
+    torch.distributed.barrier()  # as plumbing.teardown: no rank destroys the group under its peer
     torch.distributed.destroy_process_group()
 
 
@@ -3368,6 +3369,7 @@ def _fsdp_worker(rank, init_file, result_dir):
     r["rank_state"] = costs.rank_state()  # what `torchrun --nproc_per_node=2 costs.py` prints
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(r, f)
+    torch.distributed.barrier()  # as plumbing.teardown: no rank destroys the group under its peer
     torch.distributed.destroy_process_group()
 
 
