@@ -23,8 +23,9 @@ ppo.py: the two files share their sections and loop headers, and DPO deletes fro
 What DPO adds is that one-time precompute. Writes out/dpo/: model.safetensors (+ tokenizer.json),
 metrics.jsonl, eval.json, ckpt/.
 """
+
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +33,15 @@ import torch.nn.functional as F
 import data
 import precompute
 import sft
-from evaluate import evaluate_policy, print_samples, summary, task_pool_best
-from model import (anatomy, estimate_flops, format_anatomy, freeze, load_model, matmul_shapes,
-                   model_flops, save_model)
-from plumbing import (DIVERGED, Logger, adamw, atomic_copy, atomic_write_json, autocast, barrier,
-                      check, check_finite_weights, clock, compile_metrics, full_state, gathered,
-                      init_distributed, input_fingerprint, lap, lr_at, measure_peak_flops,
-                      parse_config, precision, prepare_outputs, reduce_sums, require_stage, resume,
-                      save_checkpoint, sharded, split_batch, stop_if_diverged, stop_if_not_finite,
-                      sync_grads, teardown, wrap)
+from checkpoint import (check_step, input_fingerprint, load_ref_logps, prepare_outputs, resume,
+                        save_checkpoint, save_outputs, tokenizer_beside)
+from evaluate import evaluate_policy, print_samples, summary
+from meter import Meter, anatomy, batch_flops, format_anatomy, matmul_shapes, measure_peak_flops
+from model import freeze, load_model, pair_logps
+from plumbing import (Logger, adamw, autocast, barrier, check, gathered, init_distributed, lr_at,
+                      parse_config, precision, reduce_sums, require_stage, set_lr, sharded,
+                      split_batch, sync_grads, teardown, wrap)
+from task import require_task, task_pool_best
 
 # ==== config
 
@@ -107,28 +108,27 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta, loss="sigmo
     r_rejected = beta * (pi_rejected - ref_rejected).detach()
     return losses, r_chosen, r_rejected
 
-
 # ==== helpers the loop calls
 
 
 @torch.no_grad()
-def evaluate_pairs(model, ref_model, ref_logps, examples, cfg, d, pad):
+def evaluate_pairs(policy, ref, ref_logps, examples, cfg, d, pad):
     """Held-out DPO loss and reward accuracy over every val pair, ranks taking every world-th
-    micro-batch. log π_ref comes from the cache (ref_logps, (2, N)), or from ref_model (live).
+    micro-batch. log π_ref comes from the cache (ref_logps, (2, N)), or from ref (--ref live).
     In order of length, so each micro-batch is padded only to its own longest row."""
     loss = correct = n = 0.0
-    mb = cfg.micro_batch_size
+    micro_batch = cfg.micro_batch_size
     examples = sorted(examples, key=data.longest_row)
     # --fsdp: whole weights on every rank for this pass, whose ranks run unequal numbers of
     # forwards (a forward of a sharded model is a collective)
-    with gathered(model, ref_model):
-        for i in range(d.rank * mb, len(examples), d.world * mb):
-            b = data.collate_pairs(examples[i:i + mb], pad)
+    with gathered(policy, ref):
+        for i in range(d.rank * micro_batch, len(examples), d.world * micro_batch):
+            b = data.collate_pairs(examples[i:i + micro_batch], pad)
             x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
             with autocast(d.device):
-                pi_c, pi_r = precompute.pair_logps(model, x, y).chunk(2)
-                ref_c, ref_r = (ref_logps[:, b["index"]].to(d.device) if ref_model is None
-                                else precompute.pair_logps(ref_model, x, y).chunk(2))
+                pi_c, pi_r = pair_logps(policy, x, y).chunk(2)
+                ref_c, ref_r = (ref_logps[:, b["index"]].to(d.device) if ref is None
+                                else pair_logps(ref, x, y).chunk(2))
             losses, r_c, r_r = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta, cfg.loss,
                                         cfg.label_smoothing)
             loss, correct, n = loss + losses.sum(), correct + (r_c > r_r).sum(), n + len(losses)
@@ -136,201 +136,192 @@ def evaluate_pairs(model, ref_model, ref_logps, examples, cfg, d, pad):
     return s["loss"] / s["n"], s["correct"] / s["n"]
 
 
-def main(cfg):
-    # ==== setup: ranks, device, inputs (a missing earlier stage is built with its defaults)
-    d = init_distributed()
-    log = Logger(cfg.out_dir, d)
+# the metrics a step's log line shows (metrics.jsonl holds them all)
+SHOWN = ("loss", "rewards/accuracies", "rewards/margins", "grad_norm", "lr", "val_loss",
+         "val_accuracy", "time/step")
+
+
+# ==== setup: ranks, device, inputs (a missing earlier stage is built with its defaults)
+
+
+def setup(cfg, d, log):
+    """The pairs, tokenized, π_ref's tokenizer, what the weights are trained from, and (the
+    default) precompute.py's cache of log π_ref, built when missing."""
     check(cfg.ref in ("cache", "live"), f"--ref must be cache or live, got {cfg.ref!r}")
     check(cfg.loss in ("sigmoid", "ipo"), f"--loss must be sigmoid or ipo, got {cfg.loss!r}")
     check(cfg.loss == "sigmoid" or cfg.label_smoothing == 0,
           "--label_smoothing applies to the sigmoid loss only")
     check(0 <= cfg.label_smoothing < 0.5 and cfg.beta > 0,
           "need beta > 0 and 0 <= label_smoothing < 0.5")
-    pc = precompute.Config(out_dir=cfg.ref_logps, ref_model=cfg.ref_model,
-                           train_pairs=cfg.train_pairs, val_pairs=cfg.val_pairs,
-                           max_len=cfg.max_len, max_prompt_len=cfg.max_prompt_len)
-    # your pairs need your π_ref, val pairs and prompts; and get a cache folder of their own
-    precompute.check_own_inputs(pc, [("--eval_prompts", cfg.eval_prompts, Config.eval_prompts)])
-    ref_logps = precompute.cache_dir(pc)  # cfg.ref_logps, or out/ref_logps/<your file>-<hash>
-    pc = replace(pc, out_dir=ref_logps)
+    # the cache for these inputs: yours get a folder of their own, and your pairs need your π_ref
+    pc = precompute.plan(precompute.Config(
+        out_dir=cfg.ref_logps, ref_model=cfg.ref_model, train_pairs=cfg.train_pairs,
+        val_pairs=cfg.val_pairs, max_len=cfg.max_len, max_prompt_len=cfg.max_prompt_len),
+        [("--eval_prompts", cfg.eval_prompts, Config.eval_prompts)])
     # outputs first: a bad folder stops the run now, not after hours (the cache's if it is built)
-    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
-    caches = [os.path.join(ref_logps, f"{split}.safetensors") for split in ("train", "val")]
+    caches = [os.path.join(pc.out_dir, f"{split}.safetensors") for split in ("train", "val")]
     build_cache = cfg.ref == "cache" and not all(map(os.path.exists, caches))
-    prepare_outputs({cfg.out_dir: "--out_dir", ckpt_dir: "--out_dir",
-                     **({ref_logps: "--ref_logps"} if build_cache else {})}, d, log.print)
-    precompute.require_inputs(pc, d, log.print)  # π_ref (sft.py) and the pairs (the built-in task)
-    require_stage(cfg.eval_prompts, Config.eval_prompts, lambda: sft.build_task(d),
-                  "python data.py", d, log.print)
-    tok = data.load_tokenizer(precompute.tokenizer_path(cfg.ref_model))
+    prepare_outputs({cfg.out_dir: "--out_dir", os.path.join(cfg.out_dir, "ckpt"): "--out_dir",
+                     **({pc.out_dir: "--ref_logps"} if build_cache else {})}, d, log)
+    require_stage(cfg.ref_model, Config.ref_model, lambda: sft.main(sft.Config()),
+                  "python sft.py", d, log)
+    tok_path = tokenizer_beside(cfg.ref_model)
+    require_task({cfg.train_pairs: Config.train_pairs, cfg.val_pairs: Config.val_pairs,
+                  cfg.eval_prompts: Config.eval_prompts}, d, log)
+    tok = data.load_tokenizer(tok_path)
     train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
                                        cfg.max_prompt_len)
     val, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.val_pairs), cfg.max_len,
                                  cfg.max_prompt_len)
-    log.print(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and "
-              f"{stats['truncated_response']} responses truncated to {cfg.max_len} tokens, "
-              f"{stats['unusable']} unusable), {len(val)} val pairs")
-    warn = data.truncation_warning(stats, cfg.train_pairs, cfg.max_len, precompute.TRUNCATION_FIX)
+    log(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and "
+        f"{stats['truncated_response']} responses truncated to {cfg.max_len} tokens, "
+        f"{stats['unusable']} unusable), {len(val)} val pairs")
+    warn = data.truncation_warning(stats, cfg.train_pairs, cfg.max_len)
     if warn:
-        log.print(warn)
+        log(warn)
     check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, "
           f"fewer than --batch_size {cfg.batch_size}")
     check(len(val) > 0, f"{cfg.val_pairs} has no usable pair: in each row chosen and rejected are "
           f"identical once cut to --max_len {cfg.max_len} tokens")
     # what the weights are trained from (the reference cache is checked against the same files)
-    inputs = input_fingerprint({"--ref_model": cfg.ref_model,
-                                "tokenizer": precompute.tokenizer_path(cfg.ref_model),
+    inputs = input_fingerprint({"--ref_model": cfg.ref_model, "tokenizer": tok_path,
                                 "--train_pairs": cfg.train_pairs}, train)
-    lengths = [data.longest_row(e) for e in train]  # to sort each batch by length
-    ref_train = ref_val = None
+    ref_logps = (None, None)
     if cfg.ref == "cache":  # the reference's only trace in this job: two fp32 numbers per pair
         # with --ref_logps at its default, the cache (the built-in task's, or your pairs' own) is
         # built when missing; an explicit folder must hold it
         auto = precompute.same(cfg.ref_logps, Config.ref_logps)
         for path in caches:
             require_stage(path, path if auto else Config.ref_logps,
-                          lambda: (precompute.main(pc), barrier(d)), precompute.command(pc), d,
-                          log.print)
-        ref_train = precompute.load_ref_logps(caches[0], pc, "train", train, d.device)
-        ref_val = precompute.load_ref_logps(caches[1], pc, "val", val, d.device)
+                          lambda: (precompute.main(pc), barrier(d)), precompute.command(pc), d, log)
+        ref_logps = tuple(load_ref_logps(path, pc, split, examples, d.device,
+                                         precompute.command(pc))
+                          for path, split, examples in zip(caches, ("train", "val"), (train, val)))
+    return tok, tok_path, train, val, inputs, ref_logps, pc.out_dir
 
-    # ==== models resident in the training job
-    # The policy starts as π_ref (Sec. 4: π_θ = π_ref at step 0). Eval mode for good: no dropout
-    # (as TRL's disable_dropout), so log π is deterministic, equals log π_ref exactly at step 0,
-    # and the cached and the live reference see the same function.
-    raw_model, _ = load_model(cfg.ref_model, d.device)
-    check_finite_weights(raw_model, cfg.ref_model)
-    raw_model.eval()
-    check(cfg.max_len <= raw_model.config.block_size,
-          f"--max_len {cfg.max_len} > block_size {raw_model.config.block_size}")
-    ref_model = None
-    if cfg.ref == "live":  # what precompute removes: a second, frozen copy run forward every step
-        ref_model = freeze(load_model(cfg.ref_model, d.device)[0], precision(d.device) == "bf16")
-        ref_model = wrap(ref_model, d, fsdp=cfg.fsdp)  # sharded too with --fsdp
-    # DDP over the ranks (--fsdp: sharded in place, raw_model with it), then torch.compile
-    model = wrap(raw_model, d, cfg.compile, cfg.fsdp)
+
+# ==== models resident in the training job
+
+
+def load_models(cfg, d):
+    """The policy starts as π_ref (Sec. 4: π_θ = π_ref at step 0). Eval mode for good: no dropout
+    (as TRL's disable_dropout), so log π is deterministic, equals log π_ref exactly at step 0, and
+    the cached and the live reference see the same function. With --ref live, what precompute
+    removes: a second, frozen copy run forward every step (sharded too with --fsdp). The policy
+    trains under DDP (--fsdp: sharded in place), then torch.compile."""
+    policy = load_model(cfg.ref_model, d.device)[0].eval()
+    check(cfg.max_len <= policy.config.block_size,
+          f"--max_len {cfg.max_len} > block_size {policy.config.block_size}")
+    ref = None
+    if cfg.ref == "live":
+        ref = freeze(load_model(cfg.ref_model, d.device)[0], precision(d.device) == "bf16")
+        ref = wrap(ref, d, fsdp=cfg.fsdp)
+    return policy, ref, wrap(policy, d, cfg.compile, cfg.fsdp)
+
+
+def main(cfg):
+    d = init_distributed()
+    log = Logger(cfg.out_dir, d)
+    tok, tok_path, train, val, inputs, (ref_train, ref_val), cache = setup(cfg, d, log.print)
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    lengths = [data.longest_row(e) for e in train]  # to sort each batch by length
+
+    policy, ref, model = load_models(cfg, d)  # model: what the loop calls (DDP, FSDP, compile)
 
     # ==== anatomy: what the job holds and what a token costs
-    resident = {"policy": raw_model, **({"reference": ref_model} if ref_model is not None else {})}
+    resident = {"policy": policy, **({"reference": ref} if ref is not None else {})}
     log.print(format_anatomy(anatomy(resident, cfg.max_len), cfg.max_len))
     if ref_train is not None:
         mib = (ref_train.numel() + ref_val.numel()) * 4 / 2**20
         log.print(f"reference: no model, a cache of {mib:.3f} MiB (2 fp32 per pair) read from "
-                  f"{ref_logps}")
+                  f"{cache}")
 
     # ==== optimizer, schedule, resume
-    opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
+    opt = adamw(policy, cfg.lr, cfg.weight_decay)
     # cached and live are the same run, so either may resume the other
-    start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
+    start, state = resume(ckpt_dir, cfg, {"model": policy, "optim": opt}, d.device, log.print,
                           inputs, free=("resume", "stop_after", "ref", "compile", "fsdp"))
     first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
-    mb = cfg.batch_size // d.world // accum  # pairs per forward on this rank
-    peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * cfg.max_len))
+    micro_batch = cfg.batch_size // d.world // accum  # pairs per forward on this rank
+    rows = 2 * micro_batch * cfg.max_len  # positions of one forward: [chosen; rejected]
+    peak = measure_peak_flops(d.device, matmul_shapes(policy.config, rows))
     log.print(f"{cfg.loss} loss, beta {cfg.beta} | reference: {cfg.ref} | batch "
-              f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {mb} | device "
-              f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)"
-              + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
+              f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {micro_batch} | "
+              f"device {d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)"
+              + (" | sharded (FSDP2)" if sharded(policy) else ""))
 
     # ==== training loop
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
+    meter = Meter(d, peak, compile=cfg.compile)
     for step in range(start, end):
-        times = {"t": clock(d)}
-        t_step = times["t"]
-        lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        meter.start()
+        lr = set_lr(opt, lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac))
 
         # -- batch: this rank's share of the step's global batch, sorted by length and cut into
         # micro-batches of pairs, each padded to its own longest row (the batch's loss and gradient
         # are the unsorted batch's: data.global_batch)
         mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
         mine = data.rank_slice(mine, d.rank, d.world)
-        batches = [data.collate_pairs([train[i] for i in mine[m * mb:(m + 1) * mb]], tok.pad)
-                   for m in range(accum)]  # rows [chosen; rejected]: (2·mb, T) each
-        lap(times, "batch", d)
+        cut = [mine[m * micro_batch:(m + 1) * micro_batch] for m in range(accum)]
+        batches = [data.collate_pairs([train[i] for i in rows], tok.pad) for rows in cut]
+        meter.lap("batch")
 
         # -- reference log-probs: a lookup in precompute.py's cache, no model and no FLOPs
         # (--ref live: π_ref's forward, every step, which is what the cache removes)
-        # FLOPs: those executed ("hardware", padding included) and those the real tokens need
-        # ("model", model.model_flops); MFU and HFU are these per second over the measured peak
-        ref_lp, flops = [], {"model": 0.0, "hardware": 0.0}
+        ref_lp = []
         for b in batches:
-            if ref_model is None:
-                ref_lp.append(ref_train[:, b["index"]].to(d.device))  # (2, mb)
+            if ref is None:
+                ref_lp.append(ref_train[:, b["index"]].to(d.device))  # (2, micro_batch)
                 continue
             x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
             with torch.no_grad(), autocast(d.device):  # frozen: no activations kept
-                ref_lp.append(precompute.pair_logps(ref_model, x, y).view(2, -1))
-            K = int((y != -100).sum())  # positions with a target: the head runs only there
-            flops["hardware"] += estimate_flops(ref_model.config, *x.shape, outputs=K)
-            flops["model"] += model_flops(ref_model.config, (x != tok.pad).sum(1), K)
-        lap(times, "reference", d)
+                ref_lp.append(pair_logps(ref, x, y).view(2, -1))
+            meter.count(*batch_flops(ref.config, x, y, tok.pad))
+        meter.lap("reference")
 
-        sums = dict.fromkeys(["loss", "r_chosen", "r_rejected", "correct", "logp_chosen",
-                              "logp_rejected", "tokens"], 0.0)
         for m, b in enumerate(batches):
             x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
             with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
                 # -- policy forward: one forward over [chosen; rejected] scores both halves
                 with autocast(d.device):
-                    pi_c, pi_r = precompute.pair_logps(model, x, y).chunk(2)  # (mb,), (mb,)
-                lap(times, "policy_forward", d)
+                    pi_c, pi_r = pair_logps(model, x, y).chunk(2)  # (micro_batch,) each
+                meter.lap("policy_forward")
                 # -- loss: Eq. 7, the β·KL constraint inside it. Summed over the micro-batch and
                 # divided by the global batch, x world as DDP averages over ranks: the gradient
                 # is the global batch's mean for any world size and accumulation.
                 losses, r_c, r_r = dpo_loss(pi_c, pi_r, *ref_lp[m], cfg.beta, cfg.loss,
                                             cfg.label_smoothing)
                 (losses.sum() * d.world / cfg.batch_size).backward()
-                lap(times, "loss", d)  # the backward included
-            K = int((y != -100).sum())
-            flops["hardware"] += estimate_flops(raw_model.config, *x.shape, backward=True,
-                                                outputs=K)
-            flops["model"] += model_flops(raw_model.config, (x != tok.pad).sum(1), K, backward=True)
-            for k, v in (("loss", losses.detach()), ("r_chosen", r_c), ("r_rejected", r_r),
-                         ("correct", (r_c > r_r).float()), ("logp_chosen", pi_c.detach()),
-                         ("logp_rejected", pi_r.detach()), ("tokens", (x != tok.pad).float())):
-                sums[k] += v.sum()
+                meter.lap("loss")  # the backward included
+            meter.count(*batch_flops(policy.config, x, y, tok.pad, backward=True))
+            meter.add(loss=losses.detach(), r_chosen=r_c, r_rejected=r_r,
+                      correct=(r_c > r_r).float(), logp_chosen=pi_c.detach(),
+                      logp_rejected=pi_r.detach(), tokens=(x != tok.pad).float())
 
         # -- update
         # (--fsdp: the grads are DTensor shards; the norm is all-reduced over them, the same one)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        # metrics: means over the global batch, as the loss; FLOPs of all ranks
-        s = reduce_sums(d, **sums, flops_model=flops["model"], flops_hardware=flops["hardware"])
-        stop_if_not_finite({"loss": s["loss"], "grad_norm": grad_norm}, f"step {step + 1}",
-                           ckpt_dir, "Try a lower --lr or --beta.")
-        loss = s["loss"] / cfg.batch_size
-        first_loss = loss if first_loss is None else first_loss
-        stop_if_diverged("loss", loss, DIVERGED * first_loss, f"{DIVERGED}x the first step's "
-                         f"{first_loss:.4g}", f"step {step + 1}", ckpt_dir,
-                         "Try a lower --lr or --beta.")
+        s, n = meter.reduce(), cfg.batch_size  # sums over the global batch: means below
+        first_loss = check_step(s["loss"] / n, grad_norm, first_loss, f"step {step + 1}", ckpt_dir,
+                                "Try a lower --lr or --beta.")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        lap(times, "update", d)
+        meter.lap("update")
 
         # -- metrics and checkpoint
-        dt = times.pop("t") - t_step
-        n = cfg.batch_size
         metrics = {"loss": s["loss"] / n, "rewards/chosen": s["r_chosen"] / n,
                    "rewards/rejected": s["r_rejected"] / n, "rewards/accuracies": s["correct"] / n,
                    "rewards/margins": (s["r_chosen"] - s["r_rejected"]) / n,
                    "logps/chosen": s["logp_chosen"] / n, "logps/rejected": s["logp_rejected"] / n,
-                   "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": s["tokens"] / dt,
-                   "flops": s["flops_model"],  # this step's model FLOPs, all ranks
-                   "mfu": s["flops_model"] / (d.world * peak * dt),
-                   "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
-                   "time/step": 1000 * dt, **times}
-        if cfg.compile and step == start:  # this step compiled the model: its time is not a step's
-            metrics = compile_metrics(metrics, dt)
+                   "grad_norm": grad_norm, "lr": lr, **meter.timing(s["tokens"])}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_loss"], metrics["val_accuracy"] = evaluate_pairs(
-                raw_model, ref_model, ref_val, val, cfg, d, tok.pad)
-        log.log(step + 1, cfg.steps, metrics, show=("loss", "rewards/accuracies", "rewards/margins",
-                                                    "grad_norm", "lr", "val_loss",
-                                                    "val_accuracy", "time/step"))
+                policy, ref, ref_val, val, cfg, d, tok.pad)
+        log.log(step + 1, cfg.steps, metrics, show=SHOWN)
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:  # written by rank 0
-            save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
+            save_checkpoint(ckpt_dir, step + 1, {"model": policy, "optim": opt},
                             {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss},
                             write=d.is_main)
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
@@ -339,30 +330,29 @@ def main(cfg):
                   f"step {end}")
         return teardown(d)
 
-    # ==== evaluation and outputs
-    val_loss, val_acc = evaluate_pairs(raw_model, ref_model, ref_val, val, cfg, d, tok.pad)
-    # Sampling needs π_ref itself (its completions, and log π_ref of the policy's for the KL): the
-    # evaluation loads it; the training loop above never did in the default mode (and --ref live's
-    # frozen copy may hold bf16 weights, which run only under autocast; sampling runs without).
-    ref_eval = load_model(cfg.ref_model, d.device)[0]
-    with gathered(raw_model):  # --fsdp: whole weights for sampling
-        ev = evaluate_policy(raw_model, ref_eval, tok, data.read_prompts(cfg.eval_prompts), d,
-                             k=cfg.eval_k, pool_best=task_pool_best(cfg.eval_prompts))
-    weights = full_state(raw_model, d.is_main)  # --fsdp: gathered from the shards
-    if d.is_main:
-        save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
-                   {"stage": "dpo", "step": cfg.steps, "ref_model": cfg.ref_model,
-                    "loss": cfg.loss, "beta": cfg.beta}, weights)
-        atomic_copy(precompute.tokenizer_path(cfg.ref_model),
-                    os.path.join(cfg.out_dir, "tokenizer.json"))
-        atomic_write_json(os.path.join(cfg.out_dir, "eval.json"),
-                          {"val_accuracy": val_acc, "val_loss": val_loss, **ev,
-                           "steps": cfg.steps, "loss": cfg.loss, "beta": cfg.beta})
-        print_samples(ev, log.print)
-        log.print(f"held-out pairs: accuracy {val_acc:.3f}, loss {val_loss:.4f} | {summary(ev)} | "
-                  f"saved {cfg.out_dir}/model.safetensors")
-    barrier(d)
+    finish(policy, ref, ref_val, val, tok, tok_path, cfg, d, log)
     teardown(d)
+
+# ==== evaluation and outputs
+
+
+def finish(policy, ref, ref_val, val, tok, tok_path, cfg, d, log):
+    """The held-out pairs' loss and accuracy, then samples on the held-out prompts. Sampling needs
+    π_ref itself (its completions, and log π_ref of the policy's for the KL): this loads it; the
+    training loop never did in the default mode (and --ref live's frozen copy may hold bf16
+    weights, which run only under autocast; sampling runs without)."""
+    val_loss, val_acc = evaluate_pairs(policy, ref, ref_val, val, cfg, d, tok.pad)
+    ev = evaluate_policy(policy, load_model(cfg.ref_model, d.device)[0], tok,
+                         data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
+                         pool_best=task_pool_best(cfg.eval_prompts))
+    save_outputs(policy, cfg.out_dir, {"stage": "dpo", "step": cfg.steps,
+                                       "ref_model": cfg.ref_model, "loss": cfg.loss,
+                                       "beta": cfg.beta},
+                 {"val_accuracy": val_acc, "val_loss": val_loss, **ev, "steps": cfg.steps,
+                  "loss": cfg.loss, "beta": cfg.beta}, d, tok_path)
+    print_samples(ev, log.print)
+    log.print(f"held-out pairs: accuracy {val_acc:.3f}, loss {val_loss:.4f} | {summary(ev)} | "
+              f"saved {cfg.out_dir}/model.safetensors")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ kl, eos_rate and response_len stay.
 Any world size samples the same completions: completion j of the whole list draws its tokens from
 row j of uniforms seeded by `seed` (model.generate), and every completion has the same budget.
 """
-import math
 import os
 from dataclasses import dataclass
 
@@ -31,34 +30,23 @@ import torch
 import torch.nn.functional as F
 
 import data
-from model import generate, load_model, sequence_logprobs
-from plumbing import atomic_write_json, init_distributed, parse_config, reduce_sums, teardown
+import task
+from checkpoint import atomic_write_json, tokenizer_beside
+from model import IGNORE, generate, load_model, sequence_logprobs
+from plumbing import SEED_STRIDE, gathered, init_distributed, parse_config, reduce_sums, teardown
 
-MISSING_EOS_SCORE = -1.0  # ppo.py's default missing_eos_score: DPO, π_ref and compare.py use it
-
-
-def task_prompts(prompts):
-    """True when the built-in task's generator can write every prompt (whole sentences of its
-    language): only there does its hidden true reward mean anything. A prompt of 1 to 4 sentences,
-    doubled, is a text of 2 to 8, which data.text_logprob gives a finite log-probability."""
-    return all(math.isfinite(data.text_logprob(f"{p} {p}")) for p in set(prompts))
-
-
-def task_pool_best(prompts_path):
-    """The best behaviour the built-in task's pair pool shows (data.pool_best of pairs_train.jsonl
-    beside task.json), when prompts_path is in a built-in task's folder; else None."""
-    folder = os.path.dirname(prompts_path)
-    if not os.path.exists(os.path.join(folder, "task.json")):
-        return None
-    return data.pool_best(data.read_pairs(os.path.join(folder, "pairs_train.jsonl")))
+# A completion that never emitted EOS (the block ran out) scores this, whatever its words: the rule
+# PPO trains with (lm-human-preferences; "N details"), applied here to every model alike. -1 sits
+# below π_ref's average completion, which r_φ's offset puts at 0.
+MISSING_EOS_SCORE = -1.0
 
 
 @torch.no_grad()
 def completion_logps(model, out):
     """Summed log-probs (B,) of generate()'s response tokens under `model`: the logits at column t−1
     predict the token at column t, and only response tokens count."""
-    targets = out["tokens"][:, 1:].masked_fill(~out["response_mask"][:, 1:], -100)
-    targets = F.pad(targets, (0, 1), value=-100)  # (B, L): the last column predicts nothing
+    targets = out["tokens"][:, 1:].masked_fill(~out["response_mask"][:, 1:], IGNORE)
+    targets = F.pad(targets, (0, 1), value=IGNORE)  # (B, L): the last column predicts nothing
     return sequence_logprobs(model, out["tokens"], targets, mask=out["mask"]).sum(-1)
 
 
@@ -66,13 +54,13 @@ def completion_logps(model, out):
 def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_samples=3,
                     missing_eos_score=MISSING_EOS_SCORE, pool_best=None):
     """Sample, score and compare on `prompts` (a list of strings), sharded over ranks. Returns the
-    DESIGN.md eval fields; `samples` holds the first few prompts with both models' completions.
-    pool_best (task_pool_best): also the share of completions scored above it, "beyond_pool":
-    behaviour the training pairs never showed (data.fraction_beyond)."""
+    eval fields (docs/DESIGN.md, "Contracts between stages"); `samples` holds the first few prompts
+    with both models' completions. pool_best (task_pool_best): also the share of completions scored
+    above it, "beyond_pool": behaviour the training pairs never showed (task.fraction_beyond)."""
     was_training = policy.training
     policy.eval(), ref.eval()
     block = policy.config.block_size
-    hidden = task_prompts(prompts)
+    hidden = task.task_prompts(prompts)
     # a long prompt keeps its BOS and last block//2 - 1 tokens, leaving room for the completion
     rows = [(p, data.truncate_prompt(data.encode_prompt(tok, p), block // 2))
             for p in prompts for _ in range(k)]
@@ -81,39 +69,42 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
     # the same π_ref baseline; and they are independent of the policy's even when the two models
     # are equal. Row j of U: completion j's draws, on whichever rank and in whichever batch.
     U = [torch.rand(len(rows), n_new, generator=torch.Generator().manual_seed(s))
-         for s in (seed, seed + 1_000_003)]
+         for s in (seed, seed + SEED_STRIDE)]
     mine = list(range(d.rank, len(rows), d.world))
     sums, samples = {}, []
-    for i in range(0, len(mine), batch_size):
-        j = mine[i:i + batch_size]
-        chunk = [rows[a] for a in j]
-        outs = [generate(m, [x for _, x in chunk], n_new, tok.eos, tok.pad, temperature=1.0,
-                         uniforms=u[j].to(d.device)) for m, u in zip((policy, ref), U)]
-        new = {"n": len(j), "kl": (completion_logps(policy, outs[0])
-                                   - completion_logps(ref, outs[0])).double().sum()}
-        sides = []
-        for side, o in zip(("", "ref_"), outs):
-            ended = ((o["tokens"] == tok.eos) & o["response_mask"]).any(1).cpu()
-            texts = [tok.decode(t[r].tolist()) for t, r in zip(o["tokens"], o["response_mask"])]
-            r = torch.tensor([data.true_reward(p, y) if hidden else 0.0
-                              for (p, _), y in zip(chunk, texts)], dtype=torch.float64)
-            score = torch.where(ended, r, missing_eos_score)  # PPO's rule, for every model
-            new |= {side + "eos": ended.sum(), side + "len": o["response_mask"].sum(),
-                    side + "score": score.sum(), side + "score2": (score * score).sum(),
-                    side + "finished": torch.where(ended, r, 0.0).sum(),
-                    **({side + "beyond": (score > pool_best).sum()} if pool_best is not None
-                       else {})}
-            sides.append((texts, ended, score))
-        (texts, ended, score), (ref_texts, ref_ended, ref_score) = sides
-        new["wins"] = ((score > ref_score).double() + 0.5 * (score == ref_score).double()).sum()
-        for key, v in new.items():
-            sums[key] = sums.get(key, 0.0) + v
-        samples += [{"prompt": p, "policy": y, "policy_finished": bool(e), "ref": y_ref,
-                     "ref_finished": bool(e_ref),
-                     **({"policy_reward": float(s), "ref_reward": float(s_ref)} if hidden else {})}
-                    for a, (p, _), y, e, s, y_ref, e_ref, s_ref
-                    in zip(j, chunk, texts, ended, score, ref_texts, ref_ended, ref_score)
-                    if a % k == 0][:n_samples - len(samples)]  # one completion of each prompt
+    # --fsdp: whole weights on every rank for sampling (ranks run unequal numbers of forwards)
+    with gathered(policy):
+        for i in range(0, len(mine), batch_size):
+            j = mine[i:i + batch_size]
+            chunk = [rows[a] for a in j]
+            outs = [generate(m, [x for _, x in chunk], n_new, tok.eos, tok.pad, temperature=1.0,
+                             uniforms=u[j].to(d.device)) for m, u in zip((policy, ref), U)]
+            new = {"n": len(j), "kl": (completion_logps(policy, outs[0])
+                                       - completion_logps(ref, outs[0])).double().sum()}
+            sides = []
+            for side, o in zip(("", "ref_"), outs):
+                ended = ((o["tokens"] == tok.eos) & o["response_mask"]).any(1).cpu()
+                texts = [tok.decode(t[r].tolist()) for t, r in zip(o["tokens"], o["response_mask"])]
+                r = torch.tensor([task.true_reward(p, y) if hidden else 0.0
+                                  for (p, _), y in zip(chunk, texts)], dtype=torch.float64)
+                score = torch.where(ended, r, missing_eos_score)  # PPO's rule, for every model
+                new |= {side + "eos": ended.sum(), side + "len": o["response_mask"].sum(),
+                        side + "score": score.sum(), side + "score2": (score * score).sum(),
+                        side + "finished": torch.where(ended, r, 0.0).sum(),
+                        **({side + "beyond": (score > pool_best).sum()} if pool_best is not None
+                           else {})}
+                sides.append((texts, ended, score))
+            (texts, ended, score), (ref_texts, ref_ended, ref_score) = sides
+            new["wins"] = ((score > ref_score).double() + 0.5 * (score == ref_score).double()).sum()
+            for key, v in new.items():
+                sums[key] = sums.get(key, 0.0) + v
+            samples += [{"prompt": p, "policy": y, "policy_finished": bool(e), "ref": y_ref,
+                         "ref_finished": bool(e_ref),
+                         **({"policy_reward": float(s), "ref_reward": float(s_ref)}
+                            if hidden else {})}
+                        for a, (p, _), y, e, s, y_ref, e_ref, s_ref
+                        in zip(j, chunk, texts, ended, score, ref_texts, ref_ended, ref_score)
+                        if a % k == 0][:n_samples - len(samples)]  # one completion of each prompt
     s = reduce_sums(d, **sums)
     policy.train(was_training)
     n = s["n"]
@@ -178,12 +169,12 @@ def main(cfg):
     for path in (cfg.policy, cfg.ref, cfg.prompts):
         if not os.path.exists(path):
             raise SystemExit(f"error: {path} does not exist")
-    tok = data.load_tokenizer(os.path.join(os.path.dirname(cfg.ref), "tokenizer.json"))
+    tok = data.load_tokenizer(tokenizer_beside(cfg.ref, "--ref"))
     policy, _ = load_model(cfg.policy, d.device)
     ref, _ = load_model(cfg.ref, d.device)
     res = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.prompts), d, k=cfg.k,
                           seed=cfg.seed, missing_eos_score=cfg.missing_eos_score,
-                          pool_best=task_pool_best(cfg.prompts))
+                          pool_best=task.task_pool_best(cfg.prompts))
     if d.is_main:
         print_samples(res, print)
         print(summary(res))

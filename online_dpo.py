@@ -23,23 +23,24 @@ it. Writes out/online_dpo/: model.safetensors (+ tokenizer.json), metrics.jsonl,
 import copy
 import os
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import torch
 
 import data
-import precompute
 import reward
 import sft
+from checkpoint import (check_step, input_fingerprint, prepare_outputs, resume, save_checkpoint,
+                        save_outputs, tokenizer_beside)
 from dpo import dpo_loss
-from evaluate import evaluate_policy, print_samples, summary, task_pool_best
-from model import (anatomy, estimate_flops, format_anatomy, freeze, generate, generate_flops,
-                   matmul_shapes, model_flops, save_model)
-from plumbing import (DIVERGED, Logger, adamw, atomic_copy, atomic_write_json, autocast, barrier,
-                      check, clock, compile_metrics, full_state, gathered, init_distributed,
-                      input_fingerprint, lap, lr_at, measure_peak_flops, parse_config, precision,
-                      prepare_outputs, reduce_sums, require_stage, resume, save_checkpoint, sharded,
-                      split_batch, stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
-from ppo import broadcast_weights
+from evaluate import evaluate_policy, print_samples, summary
+from meter import (Meter, anatomy, batch_flops, estimate_flops, format_anatomy, generate_flops,
+                   matmul_shapes, measure_peak_flops, model_flops)
+from model import freeze, generate, load_model, pair_logps, score_at_last
+from plumbing import (Logger, SEED_STRIDE, adamw, autocast, barrier, broadcast_weights, check,
+                      init_distributed, lr_at, parse_config, precision, reduce_sums, require_stage,
+                      set_lr, sharded, split_batch, sync_grads, teardown, wrap)
+from task import require_task, task_pool_best, true_reward
 
 # ==== config
 
@@ -85,32 +86,72 @@ def label_pairs(score_a, score_b):
     return score_a > score_b, score_a == score_b
 
 
-# ==== helpers the loop calls: dpo_loss, precompute.pair_logps and ppo.broadcast_weights, imported
+# ==== helpers the loop calls: dpo_loss from dpo.py, pair_logps from model.py
+
+
+def sample(rollout, prompts, batch, idx, it, cfg, d, tok):
+    """Two completions per prompt of this rank's share idx of the global batch, from the rollout
+    engine's copy with the KV cache, rows [this rank's prompts; the same again]. Completion a of
+    global prompt j draws its tokens from row j of uniforms seeded by (seed, round), completion b
+    from row R + j, within the global batch's budget (ppo.py's rule): the same samples on any world
+    size. Returns generate()'s dict, (2B, L) each."""
+    R, B = cfg.rollout_batch, len(idx)
+    rng = torch.Generator().manual_seed(cfg.seed + SEED_STRIDE * it + 1)
+    n_new = rollout.config.block_size - max(len(prompts[i]) for i in batch)
+    U = torch.rand(2, R, n_new, generator=rng)[:, d.rank * B:(d.rank + 1) * B].flatten(0, 1)
+    mine = [prompts[i] for i in idx]
+    return generate(rollout, mine + mine, n_new, tok.eos, tok.pad, uniforms=U.to(d.device))
+
+
+def score(reward_model, out, ys, texts, tok, cfg, d):
+    """The reward service: r_φ's score of each completion (or the hidden true reward). No EOS (the
+    block ran out): missing_eos_score instead, ppo.py's rule (lm-human-preferences'), so an
+    unfinished completion loses to a finished one that r_φ scores above it, and two unfinished
+    ones tie. Returns (score (2B,), has_eos (2B,))."""
+    if reward_model is not None:
+        with torch.no_grad(), autocast(d.device):
+            raw = score_at_last(reward_model(out["tokens"], mask=out["mask"]).float(), out["mask"])
+    else:
+        raw = torch.tensor([true_reward(t, tok.decode(y)) for t, y in zip(texts * 2, ys)],
+                           device=d.device)
+    has_eos = torch.tensor([y[-1] == tok.eos for y in ys], device=d.device)
+    return torch.where(has_eos, raw.float(), cfg.missing_eos_score), has_eos
+
+
+def sampling_flops(out, policy, reward_model):
+    """(executed, needed) FLOPs on this rank of the rollout (each real token but the last fed once,
+    the head where a token is sampled) and of r_φ (a score per row)."""
+    tokens, mask, rmask = out["tokens"], out["mask"], out["response_mask"]
+    (rows, L), P, c = tokens.shape, out["P"], policy.config
+    real, K = mask.sum(1), int(rmask.sum())
+    hardware, model = generate_flops(c, rows, P, L - P), model_flops(c, real - 1, K)
+    if reward_model is not None:
+        hardware += estimate_flops(reward_model.config, rows, L)
+        model += model_flops(reward_model.config, real, rows)
+    return hardware, model
 
 
 PHASES = ("batch", "rollout", "reward", "reference", "policy_forward", "loss", "update",
           "broadcast")
 
 
-def main(cfg):
-    # ==== setup: ranks, device, inputs (a missing earlier stage is built with its defaults)
-    d = init_distributed()
-    log = Logger(cfg.out_dir, d)
+# ==== setup: ranks, device, inputs (a missing earlier stage is built with its defaults)
+
+
+def setup(cfg, d, log):
+    """The prompts, tokenized and cut to max_prompt_len, π_ref's tokenizer and what the weights
+    are trained from; a missing π_ref, r_φ or built-in task is built first."""
     check(cfg.reward in ("model", "true"),
           f"--reward must be 'model' or 'true', not {cfg.reward!r}")
     check(cfg.beta > 0, f"--beta must be > 0, got {cfg.beta}")
-    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
-    prepare_outputs({cfg.out_dir: "--out_dir", ckpt_dir: "--out_dir"}, d, log.print)
-    require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d,
-                  log.print)
+    prepare_outputs({cfg.out_dir: "--out_dir", os.path.join(cfg.out_dir, "ckpt"): "--out_dir"},
+                    d, log)
+    require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d, log)
     if cfg.reward == "model":
         require_stage(cfg.reward_model, Config.reward_model, lambda: reward.main(reward.Config()),
-                      "python reward.py", d, log.print)
-    for path, default in [(cfg.prompts, Config.prompts), (cfg.eval_prompts, Config.eval_prompts)]:
-        require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log.print)
-    tok_path = os.path.join(os.path.dirname(cfg.sft), "tokenizer.json")
-    check(os.path.exists(tok_path), f"{tok_path} does not exist: π_ref's tokenizer is read from "
-          "the folder of --sft")
+                      "python reward.py", d, log)
+    require_task({cfg.prompts: Config.prompts, cfg.eval_prompts: Config.eval_prompts}, d, log)
+    tok_path = tokenizer_beside(cfg.sft, "--sft")
     tok = data.load_tokenizer(tok_path)
     texts = data.read_prompts(cfg.prompts)
     prompts = [data.truncate_prompt(data.encode_prompt(tok, t), cfg.max_prompt_len) for t in texts]
@@ -120,211 +161,98 @@ def main(cfg):
     inputs = input_fingerprint({"--sft": cfg.sft, "tokenizer": tok_path, "--prompts": cfg.prompts,
                                 **({"--reward_model": cfg.reward_model} if cfg.reward == "model"
                                    else {})}, prompts)
-    accum = split_batch(cfg.rollout_batch, cfg.micro_batch_size, d.world)
-    B = cfg.rollout_batch // d.world  # this rank's prompts, and so its pairs
-    mb = B // accum  # pairs per forward on this rank
+    return tok, tok_path, texts, prompts, inputs
 
-    # ==== models resident in the training job
-    # Four of PPO's five: the policy trains; π_ref, r_φ and the rollout engine's copy of the policy
-    # run forward only. The critic stays gone. Dropout off (load_trunk), so the policy's log π
-    # equals log π_ref exactly in round 1, as in dpo.py. The frozen ones hold bf16 matmul weights
-    # under bf16 autocast (model.freeze: the same outputs).
+
+# ==== models resident in the training job
+
+
+def load_models(cfg, d):
+    """Four of PPO's five: the policy trains; π_ref, r_φ and the rollout engine's copy of the
+    policy run forward only. The critic stays gone. Dropout off (model.load_model), so the policy's
+    log π equals log π_ref exactly in round 1, as in dpo.py. The frozen ones hold bf16 matmul
+    weights under bf16 autocast (model.freeze: the same outputs) and are sharded too with --fsdp;
+    the policy trains under DDP (--fsdp: sharded in place), then torch.compile."""
     bf16 = precision(d.device) == "bf16"
-    raw_model, _ = reward.load_trunk(cfg.sft, "lm", d.device)
-    # the frozen models are sharded too with --fsdp
-    ref = wrap(freeze(reward.load_trunk(cfg.sft, "lm", d.device)[0], bf16), d, fsdp=cfg.fsdp)
-    rm = None  # --reward true labels with a Python function: no reward model resident
+    policy = load_model(cfg.sft, d.device, head="lm")[0]
+    ref = wrap(freeze(load_model(cfg.sft, d.device, head="lm")[0], bf16), d, fsdp=cfg.fsdp)
+    reward_model = None  # --reward true labels with a Python function: no reward model resident
     if cfg.reward == "model":
-        rm = wrap(freeze(reward.load_trunk(cfg.reward_model, "scalar", d.device)[0], bf16), d,
-                  fsdp=cfg.fsdp)
+        reward_model = wrap(freeze(load_model(cfg.reward_model, d.device, head="scalar")[0], bf16),
+                            d, fsdp=cfg.fsdp)
     # The rollout engine: an inference copy of the policy, all bf16 under bf16 autocast (as vLLM
     # serves it), refreshed by broadcast_weights after every update
-    rollout = copy.deepcopy(raw_model).to(torch.bfloat16 if bf16 else torch.float32)
+    rollout = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32)
     rollout.eval().requires_grad_(False)
-    T = raw_model.config.block_size
+    T = policy.config.block_size
     check(cfg.max_prompt_len < T,
           f"--max_prompt_len {cfg.max_prompt_len} leaves no room in the {T}-token block")
-    # DDP over the ranks (--fsdp: sharded in place, raw_model with it), then torch.compile
-    model = wrap(raw_model, d, cfg.compile, cfg.fsdp)
+    return SimpleNamespace(policy=policy, ref=ref, reward_model=reward_model, rollout=rollout,
+                           trainer=wrap(policy, d, cfg.compile, cfg.fsdp))
+
+
+def main(cfg):
+    d = init_distributed()
+    log = Logger(cfg.out_dir, d)
+    tok, tok_path, texts, prompts, inputs = setup(cfg, d, log.print)
+    ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
+    accum = split_batch(cfg.rollout_batch, cfg.micro_batch_size, d.world)
+    B = cfg.rollout_batch // d.world  # this rank's prompts, and so its pairs
+    models = load_models(cfg, d)
+    policy, reward_model = models.policy, models.reward_model
+    T = policy.config.block_size
 
     # ==== anatomy: what the job holds and what a token costs
-    resident = {"policy": raw_model, "reference": ref, **({"reward": rm} if rm is not None else {}),
-                "rollout": rollout}
+    resident = {"policy": policy, "reference": models.ref,
+                **({"reward": reward_model} if reward_model is not None else {}),
+                "rollout": models.rollout}
     layout = anatomy(resident, T)
     log.print(format_anatomy(layout, T))
     log.print("back from PPO: rollout engine, reward service, live reference, weight broadcast | "
               "still gone: critic, per-token KL rewards, GAE, value loss")
     fwd = lambda m: estimate_flops(m.config, 1, T) / T  # noqa: E731
-    phase_flops = {"rollout": fwd(raw_model), "reward": fwd(rm) if rm is not None else 0.0,
-                   "reference": fwd(ref),
-                   "update": estimate_flops(raw_model.config, 1, T, backward=True) / T}
+    phase_flops = {"rollout": fwd(policy),
+                   "reward": fwd(reward_model) if reward_model is not None else 0.0,
+                   "reference": fwd(models.ref),
+                   "update": estimate_flops(policy.config, 1, T, backward=True) / T}
     log.print("FLOPs per sampled token by phase: "
               + " | ".join(f"{k} {v / 1e6:.2f}M" for k, v in phase_flops.items())
               + f" | round {sum(phase_flops.values()) / 1e6:.2f}M")
 
     # ==== optimizer, schedule, resume
-    opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
-    start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
+    opt = adamw(policy, cfg.lr, cfg.weight_decay)
+    start, state = resume(ckpt_dir, cfg, {"model": policy, "optim": opt}, d.device, log.print,
                           inputs, free=("resume", "stop_after", "eval_k", "compile", "fsdp"))
     first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     if start:
-        broadcast_weights(raw_model, rollout, d)  # the rollout engine resumes with the policy
+        broadcast_weights(policy, models.rollout, d)  # the rollout engine resumes with the policy
     log.start(start)  # metrics.jsonl keeps the rounds up to `start`
-    peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * T))
-    scorer = f"r_φ {cfg.reward_model}" if rm is not None else "the hidden true reward"
+    micro_batch = B // accum  # pairs per forward on this rank
+    peak = measure_peak_flops(d.device, matmul_shapes(policy.config, 2 * micro_batch * T))
+    scorer = f"r_φ {cfg.reward_model}" if reward_model is not None else "the hidden true reward"
     log.print(f"beta {cfg.beta} | rollout {cfg.rollout_batch} prompts x 2 completions = "
               f"{d.world} ranks x {B} x 2 | batch {cfg.rollout_batch} pairs = {d.world} ranks x "
-              f"{accum} accumulation x {mb} | reward: {scorer} | device {d.device} | peak "
-              f"{peak / 1e9:.1f} GFLOP/s per rank (measured)"
-              + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
+              f"{accum} accumulation x {micro_batch} | reward: {scorer} | device {d.device} | "
+              f"peak {peak / 1e9:.1f} GFLOP/s per rank (measured)"
+              + (" | sharded (FSDP2)" if sharded(policy) else ""))
 
     # ==== training loop
+    # Each round: fresh pairs sampled, labelled and scored by π_ref (experience), one DPO step on
+    # them (update), then the new weights to the rollout engine and the round's metrics (refresh).
     end = cfg.iterations if not cfg.stop_after else min(cfg.iterations, start + cfg.stop_after)
-    shares = dict.fromkeys(PHASES, 0.0)
-    timed = end - start - (1 if cfg.compile else 0)  # a compiled run's first round compiles
+    meter = Meter(d, peak, unit="iteration", phases=PHASES, compile=cfg.compile)
     for it in range(start, end):
-        times = {"t": clock(d)}
-        t_iter = times["t"]
-        lr = lr_at(it, cfg.iterations, cfg.lr, cfg.warmup, cfg.min_lr_frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
-
-        # -- batch: this rank's share of the round's global batch of prompts
-        batch = data.global_batch(len(prompts), cfg.rollout_batch, it, cfg.seed)
-        idx = data.rank_slice(batch, d.rank, d.world)
-        lap(times, "batch", d)
-
-        # -- rollout engine: two completions per prompt from the inference copy, with the KV cache,
-        # rows [this rank's prompts; the same again]. Completion a of global prompt j draws its
-        # tokens from row j of uniforms seeded by (seed, round), completion b from row R + j,
-        # within the global batch's budget (ppo.py's rule): the same samples on any world size.
-        R = cfg.rollout_batch
-        rng = torch.Generator().manual_seed(cfg.seed + 1_000_003 * it + 1)
-        n_new = T - max(len(prompts[i]) for i in batch)
-        U = torch.rand(2, R, n_new, generator=rng)[:, d.rank * B:(d.rank + 1) * B].flatten(0, 1)
-        mine = [prompts[i] for i in idx]
-        out = generate(rollout, mine + mine, n_new, tok.eos, tok.pad, uniforms=U.to(d.device))
-        tokens, mask, rmask = out["tokens"], out["mask"], out["response_mask"]  # (2B, L)
-        P = max(map(len, mine))  # generate left-pads the prompts to P
-        lap(times, "rollout", d)
-
-        # -- reward service: score each completion, cut at its EOS (generate pads after it)
-        ys = [t[m].tolist() for t, m in zip(tokens, rmask)]  # (2B,) completions' token ids
-        if rm is not None:
-            with torch.no_grad(), autocast(d.device):
-                raw = reward.score_at_last(rm(tokens, mask=mask).float(), mask)
-        else:
-            raw = torch.tensor([data.true_reward(texts[i], tok.decode(y))
-                                for i, y in zip(idx * 2, ys)], device=d.device)
-        has_eos = torch.tensor([y[-1] == tok.eos for y in ys], device=d.device)  # (2B,)
-        # No EOS (the block ran out): the score is replaced by missing_eos_score, ppo.py's rule
-        # (lm-human-preferences'), so an unfinished completion loses to a finished one that r_φ
-        # scores above -1, and two unfinished ones tie
-        score = torch.where(has_eos, raw.float(), cfg.missing_eos_score)
-        a_chosen, tied = label_pairs(score[:B], score[B:])
-        pairs = [dict(index=j, prompt=prompts[i], chosen=a if w else b, rejected=b if w else a)
-                 for j, (i, a, b, w) in enumerate(zip(idx, ys[:B], ys[B:], a_chosen.tolist()))]
-        keep = (~tied).float()  # (B,) a pair's weight in the loss
-        lap(times, "reward", d)
-
-        # -- reference log-probs: log π_ref of the new samples, from the resident π_ref. They did
-        # not exist before this round: no precompute could have cached them
-        # FLOPs: executed ("hardware", padding included) and needed by the real tokens ("model")
-        real, K, L, c = mask.sum(1), int(rmask.sum()), tokens.shape[1], raw_model.config
-        flops = {"hardware": generate_flops(c, 2 * B, P, L - P)
-                 + (estimate_flops(rm.config, 2 * B, L) if rm is not None else 0),
-                 "model": model_flops(c, real - 1, K)
-                 + (model_flops(rm.config, real, 2 * B) if rm is not None else 0)}
-        batches = [data.collate_pairs(pairs[m * mb:(m + 1) * mb], tok.pad) for m in range(accum)]
-        ref_lp = []
-        for b in batches:
-            x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
-            with torch.no_grad(), autocast(d.device):  # frozen: no activations kept
-                ref_lp.append(precompute.pair_logps(ref, x, y).view(2, -1))  # (2, mb)
-            K = int((y != -100).sum())  # positions with a target: the head runs only there
-            flops["hardware"] += estimate_flops(ref.config, *x.shape, outputs=K)
-            flops["model"] += model_flops(ref.config, (x != tok.pad).sum(1), K)
-        lap(times, "reference", d)
-
-        # The loss is a mean over the global batch's untied pairs: count them over the ranks first
-        n_keep = reduce_sums(d, n=keep.sum())["n"]
-        sums = dict.fromkeys(["loss", "r_chosen", "r_rejected", "correct", "logp_chosen",
-                              "logp_rejected", "kl", "tokens"], 0.0)
-        for m, b in enumerate(batches):
-            x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
-            w = keep[m * mb:(m + 1) * mb]
-            with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
-                # -- policy forward: one forward over [chosen; rejected] scores both halves
-                with autocast(d.device):
-                    pi_c, pi_r = precompute.pair_logps(model, x, y).chunk(2)  # (mb,), (mb,)
-                lap(times, "policy_forward", d)
-                # -- loss: Eq. 7 on the labelled pairs, a tie weighted 0. Summed and divided by the
-                # untied pairs of the global batch, x world as DDP averages over ranks
-                ref_c, ref_r = ref_lp[m]
-                losses, r_c, r_r = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta)
-                ((losses * w).sum() * d.world / max(n_keep, 1)).backward()
-                lap(times, "loss", d)  # the backward included
-            K = int((y != -100).sum())
-            flops["hardware"] += estimate_flops(c, *x.shape, backward=True, outputs=K)
-            flops["model"] += model_flops(c, (x != tok.pad).sum(1), K, backward=True)
-            # kl: every completion, tied or not, was sampled from π before this update, so the
-            # mean of log π/π_ref over them estimates KL(π‖π_ref) (ppo.py's kl, summed k1)
-            kl = ((pi_c - ref_c) + (pi_r - ref_r)).detach()
-            for k, v in (("loss", losses.detach() * w), ("r_chosen", r_c * w),
-                         ("r_rejected", r_r * w), ("correct", (r_c > r_r).float() * w),
-                         ("logp_chosen", pi_c.detach() * w), ("logp_rejected", pi_r.detach() * w),
-                         ("kl", kl), ("tokens", (x != tok.pad).float())):
-                sums[k] += v.sum()
-
-        # -- update
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        s = reduce_sums(d, **sums)
-        n = max(n_keep, 1)
-        stop_if_not_finite({"loss": s["loss"], "grad_norm": grad_norm}, f"round {it + 1}",
-                           ckpt_dir, "Try a lower --lr or --beta.")
-        loss = s["loss"] / n
-        first_loss = loss if first_loss is None else first_loss  # ln 2 at π = π_ref
-        stop_if_diverged("loss", loss, DIVERGED * first_loss, f"{DIVERGED}x the first round's "
-                         f"{first_loss:.4g}", f"round {it + 1}", ckpt_dir,
-                         "Try a lower --lr or --beta.")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        lap(times, "update", d)
-
-        # -- weight broadcast: the rollout engine samples the next round from the new policy
-        n_bytes, _ = broadcast_weights(raw_model, rollout, d)
-        lap(times, "broadcast", d)
-
-        # -- metrics and checkpoint: DPO's over the untied pairs, the samples' over all 2B. The
-        # hidden true reward is computed outside the timed phases: for monitoring only
-        dt = times.pop("t") - t_iter
-        true = [data.true_reward(texts[i], tok.decode(y)) for i, y in zip(idx * 2, ys)]
-        t = reduce_sums(d, n=2 * B, score=score.sum(), true=sum(true), eos=has_eos.sum(),
-                        tokens=rmask.sum(), real=mask.sum(), flops_model=flops["model"],
-                        flops_hardware=flops["hardware"])
-        n_s = t["n"]
-        metrics = {"loss": loss, "rewards/chosen": s["r_chosen"] / n,
-                   "rewards/rejected": s["r_rejected"] / n, "rewards/accuracies": s["correct"] / n,
-                   "rewards/margins": (s["r_chosen"] - s["r_rejected"]) / n,
-                   "logps/chosen": s["logp_chosen"] / n, "logps/rejected": s["logp_rejected"] / n,
-                   "score": t["score"] / n_s, "true_reward": t["true"] / n_s, "kl": s["kl"] / n_s,
-                   "ties": 1 - n_keep / cfg.rollout_batch, "eos_rate": t["eos"] / n_s,
-                   "response_len": t["tokens"] / n_s, "grad_norm": grad_norm, "lr": lr,
-                   "broadcast_MB": n_bytes / 2**20, "tokens_per_sec": t["real"] / dt,
-                   "flops": t["flops_model"],  # this step's model FLOPs, all ranks
-                   "mfu": t["flops_model"] / (d.world * peak * dt),
-                   "mfu_hardware": t["flops_hardware"] / (d.world * peak * dt),
-                   "time/iteration": 1000 * dt, **times,
-                   **{f"share/{k}": times[f"time/{k}"] / (1000 * dt) for k in PHASES}}
-        if cfg.compile and it == start:  # this round compiled the policy: not a timing
-            metrics = compile_metrics(metrics, dt)
+        meter.start()
+        lr = set_lr(opt, lr_at(it, cfg.iterations, cfg.lr, cfg.warmup, cfg.min_lr_frac))
+        ex = experience(models, prompts, texts, it, accum, cfg, d, tok, meter)
+        grad_norm, first_loss = update(models, opt, ex, it, first_loss, cfg, d, meter, ckpt_dir,
+                                       tok.pad)
+        metrics = refresh(models, ex, tok, cfg, d, meter, {"grad_norm": grad_norm, "lr": lr})
         log.log(it + 1, cfg.iterations, metrics, show=("loss", "rewards/accuracies", "score",
                                                        "true_reward", "kl", "ties",
                                                        "time/iteration"))
-        for k in PHASES:  # the mean over the timed rounds
-            shares[k] += metrics.get(f"share/{k}", 0.0) / max(timed, 1)
         if (it + 1) % cfg.ckpt_every == 0 or it + 1 == end:  # written by rank 0
-            save_checkpoint(ckpt_dir, it + 1, {"model": raw_model, "optim": opt},
+            save_checkpoint(ckpt_dir, it + 1, {"model": policy, "optim": opt},
                             {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss},
                             write=d.is_main)
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
@@ -332,30 +260,132 @@ def main(cfg):
         log.print(f"stopped after {end - start} rounds (--stop_after); run again to resume from "
                   f"round {end}")
         return teardown(d)
-
-    # ==== evaluation and outputs
-    # against π_ref's own fp32 copy: the frozen one may hold bf16 weights, which run only under
-    # autocast, and sampling runs without
-    ref = reward.load_trunk(cfg.sft, "lm", d.device)[0]
-    with gathered(raw_model):  # --fsdp: whole weights for sampling
-        ev = evaluate_policy(raw_model, ref, tok, data.read_prompts(cfg.eval_prompts), d,
-                             k=cfg.eval_k, missing_eos_score=cfg.missing_eos_score,
-                             pool_best=task_pool_best(cfg.eval_prompts))
-    weights = full_state(raw_model, d.is_main)  # --fsdp: gathered from the shards
-    if d.is_main:
-        if timed > 0:
-            log.print("share of a round: " + " | ".join(f"{k} {v:.1%}" for k, v in shares.items()))
-        save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
-                   {"stage": "online_dpo", "iterations": cfg.iterations, "sft": cfg.sft,
-                    "reward": cfg.reward, "beta": cfg.beta}, weights)
-        atomic_copy(tok_path, os.path.join(cfg.out_dir, "tokenizer.json"))
-        atomic_write_json(os.path.join(cfg.out_dir, "eval.json"), {
-            **ev, "iterations": cfg.iterations, "reward": cfg.reward, "beta": cfg.beta,
-            "time_shares": shares, "anatomy": layout})
-        print_samples(ev, log.print)
-        log.print(f"{summary(ev)} | saved {cfg.out_dir}/model.safetensors")
-    barrier(d)
+    finish(policy, tok, tok_path, cfg, d, log, meter, layout)
     teardown(d)
+
+
+def experience(models, prompts, texts, it, accum, cfg, d, tok, meter):
+    """A round's pairs: two samples per prompt, labelled by the reward service, with log π_ref."""
+    # -- batch: this rank's share of the round's global batch of prompts
+    batch = data.global_batch(len(prompts), cfg.rollout_batch, it, cfg.seed)
+    idx = data.rank_slice(batch, d.rank, d.world)
+    meter.lap("batch")
+
+    # -- rollout engine: two completions per prompt from the inference copy, with the KV cache
+    out = sample(models.rollout, prompts, batch, idx, it, cfg, d, tok)
+    B, out["P"] = len(idx), max(len(prompts[i]) for i in idx)  # generate left-pads to P
+    meter.lap("rollout")
+
+    # -- reward service: score each completion, cut at its EOS (generate pads after it); the
+    # higher score is chosen, a tie weighs 0 in the loss
+    ys = [t[m].tolist() for t, m in zip(out["tokens"], out["response_mask"])]  # (2B,) token ids
+    mine = [texts[i] for i in idx]
+    scores, has_eos = score(models.reward_model, out, ys, mine, tok, cfg, d)
+    a_chosen, tied = label_pairs(scores[:B], scores[B:])
+    pairs = [dict(index=j, prompt=prompts[i], chosen=a if w else b, rejected=b if w else a)
+             for j, (i, a, b, w) in enumerate(zip(idx, ys[:B], ys[B:], a_chosen.tolist()))]
+    meter.lap("reward")
+
+    # -- reference log-probs: log π_ref of the new samples, from the resident π_ref. They did
+    # not exist before this round: no precompute could have cached them
+    meter.count(*sampling_flops(out, models.policy, models.reward_model))
+    micro_batch = B // accum
+    batches = [data.collate_pairs(pairs[m * micro_batch:(m + 1) * micro_batch], tok.pad)
+               for m in range(accum)]
+    ref_lp = []
+    for b in batches:
+        x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
+        with torch.no_grad(), autocast(d.device):  # frozen: no activations kept
+            ref_lp.append(pair_logps(models.ref, x, y).view(2, -1))  # (2, micro_batch)
+        meter.count(*batch_flops(models.ref.config, x, y, tok.pad))
+    meter.lap("reference")
+    return {"out": out, "ys": ys, "texts": mine, "score": scores, "has_eos": has_eos,
+            "keep": (~tied).float(), "batches": batches, "ref_lp": ref_lp}
+
+
+def update(models, opt, ex, it, first_loss, cfg, d, meter, ckpt_dir, pad):
+    """One DPO step (Eq. 7) on the round's pairs. The loss is a mean over the global batch's
+    untied pairs: count them over the ranks first. Returns (grad norm, the first round's loss)."""
+    keep, batches, accum = ex["keep"], ex["batches"], len(ex["batches"])
+    n_keep = reduce_sums(d, n=keep.sum())["n"]
+    micro_batch = len(keep) // accum
+    for m, b in enumerate(batches):
+        x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
+        w = keep[m * micro_batch:(m + 1) * micro_batch]
+        with sync_grads(models.trainer, m == accum - 1):  # all-reduce on the last micro-step only
+            # -- policy forward: one forward over [chosen; rejected] scores both halves
+            with autocast(d.device):
+                pi_c, pi_r = pair_logps(models.trainer, x, y).chunk(2)  # (micro_batch,) each
+            meter.lap("policy_forward")
+            # -- loss: Eq. 7 on the labelled pairs, a tie weighted 0. Summed and divided by the
+            # untied pairs of the global batch, x world as DDP averages over ranks
+            ref_c, ref_r = ex["ref_lp"][m]
+            losses, r_c, r_r = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta)
+            ((losses * w).sum() * d.world / max(n_keep, 1)).backward()
+            meter.lap("loss")  # the backward included
+        meter.count(*batch_flops(models.policy.config, x, y, pad, backward=True))
+        # kl: every completion, tied or not, was sampled from π before this update, so the mean
+        # of log π/π_ref over them estimates KL(π‖π_ref) (ppo.py's kl, summed k1)
+        meter.add(loss=losses.detach() * w, r_chosen=r_c * w, r_rejected=r_r * w,
+                  correct=(r_c > r_r).float() * w, logp_chosen=pi_c.detach() * w,
+                  logp_rejected=pi_r.detach() * w, kl=((pi_c - ref_c) + (pi_r - ref_r)).detach(),
+                  tokens=(x != pad).float())
+    # -- update
+    grad_norm = torch.nn.utils.clip_grad_norm_(models.trainer.parameters(), cfg.grad_clip).item()
+    s = meter.reduce()
+    ex["n_keep"] = n_keep
+    first_loss = check_step(s["loss"] / max(n_keep, 1), grad_norm, first_loss, f"round {it + 1}",
+                            ckpt_dir, "Try a lower --lr or --beta.")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    meter.lap("update")
+    return grad_norm, first_loss
+
+
+def refresh(models, ex, tok, cfg, d, meter, metrics):
+    """The new weights to the rollout engine, then the round's metrics, all ranks': DPO's over the
+    untied pairs, the samples' over all 2B."""
+    # -- weight broadcast: the rollout engine samples the next round from the new policy
+    n_bytes, _ = broadcast_weights(models.policy, models.rollout, d)
+    meter.lap("broadcast")
+
+    # -- metrics and checkpoint: the hidden true reward is computed outside the timed phases, for
+    # monitoring only
+    out, s, n = ex["out"], meter.total, max(ex["n_keep"], 1)
+    true = [true_reward(t, tok.decode(y)) for t, y in zip(ex["texts"] * 2, ex["ys"])]
+    t = reduce_sums(d, n=len(ex["ys"]), score=ex["score"].sum(), true=sum(true),
+                    eos=ex["has_eos"].sum(), tokens=out["response_mask"].sum(),
+                    real=out["mask"].sum())
+    n_s = t["n"]
+    return {"loss": s["loss"] / n, "rewards/chosen": s["r_chosen"] / n,
+            "rewards/rejected": s["r_rejected"] / n, "rewards/accuracies": s["correct"] / n,
+            "rewards/margins": (s["r_chosen"] - s["r_rejected"]) / n,
+            "logps/chosen": s["logp_chosen"] / n, "logps/rejected": s["logp_rejected"] / n,
+            "score": t["score"] / n_s, "true_reward": t["true"] / n_s, "kl": s["kl"] / n_s,
+            "ties": 1 - ex["n_keep"] / cfg.rollout_batch, "eos_rate": t["eos"] / n_s,
+            "response_len": t["tokens"] / n_s, **metrics, "broadcast_MB": n_bytes / 2**20,
+            **meter.timing(t["real"])}
+
+
+# ==== evaluation and outputs
+
+
+def finish(policy, tok, tok_path, cfg, d, log, meter, layout):
+    """Sample the held-out prompts from the policy and from π_ref's own fp32 copy (the frozen one
+    may hold bf16 weights, which run only under autocast; sampling runs without), then save."""
+    ref = load_model(cfg.sft, d.device, head="lm")[0]
+    ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
+                         missing_eos_score=cfg.missing_eos_score,
+                         pool_best=task_pool_best(cfg.eval_prompts))
+    shares = meter.shares()  # of the timed rounds (a compiled run's first one compiled)
+    if meter.timed:
+        log.print("share of a round: " + " | ".join(f"{k} {v:.1%}" for k, v in shares.items()))
+    save_outputs(policy, cfg.out_dir, {"stage": "online_dpo", "iterations": cfg.iterations,
+                                       "sft": cfg.sft, "reward": cfg.reward, "beta": cfg.beta},
+                 {**ev, "iterations": cfg.iterations, "reward": cfg.reward, "beta": cfg.beta,
+                  "time_shares": shares, "anatomy": layout}, d, tok_path)
+    print_samples(ev, log.print)
+    log.print(f"{summary(ev)} | saved {cfg.out_dir}/model.safetensors")
 
 
 if __name__ == "__main__":

@@ -12,28 +12,27 @@ response. π_ref is frozen and the pairs are fixed, so these numbers never chang
 computing them once here takes the reference model out of the training job (TRL's
 `precompute_ref_log_probs`). Each file holds, keyed by the pair's row in its JSONL file, the summed
 response log-probs (fp32) of chosen and rejected, computed exactly as dpo.py computes its policy's
-(model.sequence_logprobs on data.collate_pairs batches), and in its metadata a fingerprint of
+(model.pair_logps on data.collate_pairs batches), and in its metadata a fingerprint of
 everything that determines them, so that dpo.py can refuse a stale cache. The cost of the pass
 (tokens, wall time, FLOPs) is printed and kept.
 """
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 import data
 import sft
-from model import estimate_flops, freeze, load_model, model_flops, sequence_logprobs
-from plumbing import (Logger, all_reduce_sum, autocast, barrier, check, check_finite_weights,
-                      init_distributed, parse_config, precision, prepare_outputs, require_stage,
-                      save_safetensors, sha256, sharded, teardown, wrap)
+import task
+from checkpoint import fingerprint, prepare_outputs, save_ref_logps, sha256, tokenizer_beside
+from meter import batch_flops
+from model import freeze, load_model, pair_logps
+from plumbing import (Logger, all_reduce_sum, autocast, barrier, check, init_distributed,
+                      parse_config, precision, require_stage, sharded, teardown, wrap)
 
 
 @dataclass
@@ -48,48 +47,6 @@ class Config:
     fsdp: bool = False  # shard π_ref's weights over the ranks (FSDP2); the same cache either way
 
 
-# What the numbers depend on beyond the files and the flags. Whoever changes the truncation rule in
-# data.tokenize_pairs or the reduction below changes these strings, and every old cache becomes
-# stale.
-TRUNCATION = ("data.tokenize_pairs v1: prompt keeps BOS + its last tokens (>= max_prompt_len), "
-              "responses their first")
-REDUCTION = "sum over response tokens of model.token_logprobs (fp32 log-softmax, temperature 1)"
-# the code that turns weights into log-probs
-MODEL_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
-CHANGED = {"ref_model_sha256": "the reference weights", "tokenizer_sha256": "the tokenizer",
-           "pairs_sha256": "the pairs file", "max_len": "--max_len",
-           "max_prompt_len": "--max_prompt_len", "truncation": "the truncation rule",
-           "reduction": "the log-prob reduction",
-           "tokens_sha256": "the token ids (tokenizer, truncation or data code)",
-           "model_code_sha256": "model.py", "precision": "the precision",
-           "device": "the device type"}
-# what a user can do when data.truncation_warning speaks (here and in dpo.py)
-TRUNCATION_FIX = ("Raise --max_len (up to π_ref's block_size), or retrain π_ref (sft.py) with a "
-                  "larger --block_size and a tokenizer made for your text (--tokenizer).")
-
-
-def tokenizer_path(ref_model):
-    return os.path.join(os.path.dirname(ref_model), "tokenizer.json")
-
-
-def fingerprint(cfg, split, examples, device):
-    """Everything that determines the cached numbers of `split` ("train" or "val"): DESIGN.md's
-    list, which names what changed, and two exact checks whatever the cause: the hash of the token
-    ids fed to π_ref (examples from data.tokenize_pairs) and of the code that turns weights into
-    log-probs. And the precision and device type the numbers were computed in: bf16 log-probs
-    differ from fp32 ones by 0.001 nats per response (max 0.006), enough that a bf16 policy at
-    step 0 would not equal π_ref (on the task: reward accuracy 0.42 at step 1 instead of 0)."""
-    pairs = cfg.train_pairs if split == "train" else cfg.val_pairs
-    ids = hashlib.sha256(json.dumps([[e["index"], e["prompt"], e["chosen"], e["rejected"]]
-                                     for e in examples]).encode())
-    return {"ref_model_sha256": sha256(cfg.ref_model),
-            "tokenizer_sha256": sha256(tokenizer_path(cfg.ref_model)),
-            "pairs_sha256": sha256(pairs), "max_len": cfg.max_len,
-            "max_prompt_len": cfg.max_prompt_len, "truncation": TRUNCATION, "reduction": REDUCTION,
-            "tokens_sha256": ids.hexdigest(), "model_code_sha256": sha256(MODEL_CODE),
-            "precision": precision(device), "device": device.type}
-
-
 def same(path, default):
     return os.path.normpath(path) == os.path.normpath(default)
 
@@ -102,11 +59,9 @@ def check_own_inputs(cfg, more=()):
     make them from the file (data.py own prints the commands that follow it). Pairs the task's
     generator writes (a regime's, e.g. out/task-capped) may use the built-in π_ref."""
     if same(cfg.train_pairs, Config.train_pairs) or not os.path.exists(cfg.train_pairs):
-        return  # the built-in task, or a missing file, which require_inputs names
-    # evaluate.task_prompts' test: every prompt is whole sentences of the task's language
-    if all(math.isfinite(data.text_logprob(f"{p} {p}"))
-           for p in {r["prompt"] for r in data.read_pairs(cfg.train_pairs)}):
-        return
+        return  # the built-in task, or a missing file, which require_stage names
+    if task.task_prompts([r["prompt"] for r in data.read_pairs(cfg.train_pairs)]):
+        return  # the task's generator writes these prompts: a regime's pairs
     left = [flag for flag, path, default in [("--ref_model", cfg.ref_model, Config.ref_model),
                                              ("--val_pairs", cfg.val_pairs, Config.val_pairs),
                                              *more] if same(path, default)]
@@ -115,6 +70,13 @@ def check_own_inputs(cfg, more=()):
           "π_ref's tokenizer and weights know only its synthetic language). Make yours from your "
           f"file: python data.py own {cfg.train_pairs} --out out/own, which prints the sft.py and "
           "dpo.py commands that follow")
+
+
+def plan(cfg, more=()):
+    """cfg with out_dir the folder its cache lives in (cache_dir), after check_own_inputs: what
+    precompute.py, and dpo.py building or reading its cache, both start from."""
+    check_own_inputs(cfg, more)
+    return dataclasses.replace(cfg, out_dir=cache_dir(cfg))
 
 
 def cache_dir(cfg):
@@ -126,8 +88,9 @@ def cache_dir(cfg):
     if (same(cfg.train_pairs, Config.train_pairs) and same(cfg.val_pairs, Config.val_pairs)
             or not same(cfg.out_dir, Config.out_dir)):
         return cfg.out_dir
-    files = [cfg.ref_model, tokenizer_path(cfg.ref_model), cfg.train_pairs, cfg.val_pairs]
-    for path in files:  # named as require_inputs would name them
+    files = [cfg.ref_model, tokenizer_beside(cfg.ref_model), cfg.train_pairs,
+             cfg.val_pairs]
+    for path in files:  # named as require_stage would name them
         check(os.path.exists(path), f"{path} does not exist" + (
             ": π_ref's tokenizer is read from the folder of --ref_model" if path == files[1]
             else " (it was passed explicitly, so it is not built)"))
@@ -142,14 +105,6 @@ def command(cfg):
     flags = [f"--{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
              if getattr(cfg, f.name) != f.default]
     return " ".join(["python precompute.py"] + flags)
-
-
-def pair_logps(model, input_ids, targets):
-    """One forward over [chosen; rejected]: input_ids, targets (2B,T) from data.collate_pairs.
-    Returns the summed response log-probs (2B,) fp32; prompt and padding have target -100, so they
-    add exactly 0 (the LM head does not even run there). The policy in dpo.py, π_ref live and this
-    cache all go through here."""
-    return sequence_logprobs(model, input_ids, targets).sum(-1)
 
 
 @torch.no_grad()
@@ -184,10 +139,8 @@ def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
             continue
         B = len(rows)
         acc[0, idx], acc[1, idx], acc[2, idx] = logp[:B], logp[B:], acc[2, idx] + 1
-        K, real = int((y != -100).sum()), (x != pad).sum(1)
-        cost += torch.tensor([real.sum().item(), x.numel(),
-                              estimate_flops(model.config, *x.shape, outputs=K),
-                              model_flops(model.config, real, K)],
+        cost += torch.tensor([(x != pad).sum().item(), x.numel(),
+                              *batch_flops(model.config, x, y, pad)],
                              dtype=torch.float64, device=d.device)
     # one collective each: a value + 0 from the others is exact
     all_reduce_sum(acc, d), all_reduce_sum(cost, d)
@@ -206,62 +159,18 @@ def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
                      model_flops=int(cost[3]))
 
 
-def save_ref_logps(path, logps, fp, stats, cost):
-    """safetensors {"chosen": (N,), "rejected": (N,)} + JSON metadata; tmp file, then rename."""
-    save_safetensors({"chosen": logps[0].contiguous(), "rejected": logps[1].contiguous()}, path,
-                     {"fingerprint": json.dumps(fp), "stats": json.dumps(stats),
-                      "cost": json.dumps(cost)})
-
-
-def load_ref_logps(path, cfg, split, examples, device):
-    """(2, N) fp32 [chosen; rejected] from a cache file, after checking that it was computed from
-    the inputs in cfg (a precompute Config), on this type of device in its precision, and covers
-    every example; anything else stops the run and says what changed and how to rebuild."""
-    try:  # written atomically here; damaged or edited outside this code: one error line
-        with safe_open(path, "pt") as f:
-            found = json.loads((f.metadata() or {}).get("fingerprint", "{}"))
-        t = load_file(path)
-    except Exception as e:
-        raise SystemExit(f"error: {path} cannot be read ({e}); rebuild it with: "
-                         f"{command(cfg)}") from None
-    want = fingerprint(cfg, split, examples, device)
-    short = lambda v: v[:12] if isinstance(v, str) and len(v) == 64 else v  # noqa: E731
-    changed = [k for k, v in want.items() if found.get(k) != v]
-    # the catch-all: only if nothing else says
-    changed = [k for k in changed if k != "tokens_sha256" or len(changed) == 1]
-    changed = [f"{CHANGED.get(k, k)} ({short(found.get(k))} -> {short(want[k])})" for k in changed]
-    check(not changed, f"{path} is stale, computed for other inputs: {'; '.join(changed)}. "
-          f"Rebuild it with: {command(cfg)}")
-    logps = torch.stack([t["chosen"], t["rejected"]])
-    left = [e["index"] for e in examples if not torch.isfinite(logps[:, e["index"]]).all()]
-    check(not left, f"{path} has no values for {len(left)} examples (e.g. rows {left[:5]}); "
-          f"rebuild: {command(cfg)}")
-    return logps
-
-
-def require_inputs(cfg, d, log):
-    """π_ref and the pairs; with the default paths, missing ones are built (sft.py, the task)."""
-    # sft.main returns on every rank as soon as the collectives end: wait for rank 0's file too
-    require_stage(cfg.ref_model, Config.ref_model, lambda: (sft.main(sft.Config()), barrier(d)),
-                  "python sft.py", d, log)
-    check(os.path.exists(tokenizer_path(cfg.ref_model)), f"{tokenizer_path(cfg.ref_model)} does "
-          "not exist: π_ref's tokenizer is read from the folder of --ref_model")
-    for path, default in [(cfg.train_pairs, Config.train_pairs),
-                          (cfg.val_pairs, Config.val_pairs)]:
-        require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log)
-
-
 def main(cfg):
     d = init_distributed()
-    check_own_inputs(cfg)
-    cfg = dataclasses.replace(cfg, out_dir=cache_dir(cfg))  # your pairs: a folder of their own
+    cfg = plan(cfg)  # your pairs: a folder of their own
     log = Logger(cfg.out_dir, d).print
     prepare_outputs({cfg.out_dir: "--out_dir"}, d, log)  # before any work
-    require_inputs(cfg, d, log)
-    tok = data.load_tokenizer(tokenizer_path(cfg.ref_model))
-    model, _ = load_model(cfg.ref_model, d.device)
-    check_finite_weights(model, cfg.ref_model)
-    model = freeze(model, precision(d.device) == "bf16")
+    # π_ref and the pairs; with the default paths, missing ones are built (sft.py, the task)
+    require_stage(cfg.ref_model, Config.ref_model, lambda: sft.main(sft.Config()),
+                  "python sft.py", d, log)
+    task.require_task({cfg.train_pairs: Config.train_pairs, cfg.val_pairs: Config.val_pairs}, d,
+                      log)
+    tok = data.load_tokenizer(tokenizer_beside(cfg.ref_model))
+    model = freeze(load_model(cfg.ref_model, d.device)[0], precision(d.device) == "bf16")
     model = wrap(model, d, fsdp=cfg.fsdp)  # sharded with --fsdp (frozen: no DDP otherwise)
     check(cfg.max_len <= model.config.block_size,
           f"--max_len {cfg.max_len} > π_ref's block_size {model.config.block_size}")
@@ -270,7 +179,7 @@ def main(cfg):
         examples, stats = data.tokenize_pairs(tok, rows, cfg.max_len, cfg.max_prompt_len)
         check(examples, f"{pairs} has no usable pair: in each row chosen and rejected are "
               f"identical once cut to --max_len {cfg.max_len} tokens")
-        warn = data.truncation_warning(stats, pairs, cfg.max_len, TRUNCATION_FIX)
+        warn = data.truncation_warning(stats, pairs, cfg.max_len)
         if warn:
             log(warn)
         t0 = time.perf_counter()

@@ -16,22 +16,21 @@ metrics.jsonl, eval.json (val_accuracy on held-out pairs) and a resumable checkp
 ppo.py reads it as its reward service and initializes its critic from it.
 """
 import os
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 import data
 import sft
-from model import GPT, estimate_flops, generate, matmul_shapes, model_flops, read_meta, save_model
-from plumbing import (DIVERGED, Logger, adamw, atomic_write_json, autocast, barrier, check,
-                      check_finite_weights, full_state, gathered, init_distributed,
-                      input_fingerprint, lr_at,
-                      measure_peak_flops, parse_config, prepare_outputs, reduce_sums,
-                      require_stage, resume, save_checkpoint, sharded, split_batch,
-                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
+import task
+from checkpoint import (check_step, input_fingerprint, prepare_outputs, resume, save_checkpoint,
+                        save_outputs, tokenizer_beside)
+from meter import Meter, estimate_flops, matmul_shapes, measure_peak_flops, model_flops
+from model import generate, load_model, score_at_last
+from plumbing import (Logger, adamw, autocast, barrier, check, gathered, init_distributed, lr_at,
+                      parse_config, reduce_sums, require_stage, set_lr, sharded, split_batch,
+                      sync_grads, teardown, wrap)
 
 
 @dataclass
@@ -62,7 +61,7 @@ class Config:
 
 
 # -----------------------------------------------------------------------------
-# The loss and where the reward is read
+# The loss and where the reward is read (model.score_at_last: at the last real token)
 
 
 def bt_loss(r_chosen, r_rejected):
@@ -72,43 +71,12 @@ def bt_loss(r_chosen, r_rejected):
     return -F.logsigmoid(r_chosen - r_rejected).mean()
 
 
-def last_index(mask):
-    """(B,T) bool -> (B,) long, the column of each row's last True (every row has one)."""
-    cols = torch.arange(mask.shape[1], device=mask.device)
-    return torch.where(mask, cols, -1).amax(1)
-
-
-def score_at_last(values, mask):
-    """The reward of each sequence: the scalar head's output (B,T) at the last real token, mask
-    (B,T) True on real tokens. Read after the EOS was seen, so the whole response is scored
-    (Stiennon et al. 2020 read the same place); causal attention makes it blind to later padding."""
-    return values.gather(1, last_index(mask)[:, None]).squeeze(1)
-
-
 def pair_mask(targets):
     """Real-token mask (N,T) of a right-padded collate() batch from its targets: token t is a
     response token when targets[t-1] != -100 (position t-1 predicts it); the prompt comes first."""
     m = torch.zeros_like(targets, dtype=torch.bool)
     m[:, 1:] = targets[:, :-1] != -100
     return m
-
-
-def load_trunk(path, head, device):
-    """A GPT with `head` ("lm" or "scalar") from a save_model file: the transformer always, the head
-    when the file has the same kind (an LM file gives a scalar model a fresh zero head). Dropout is
-    off, as lm-human-preferences and TRL do: with dropout the same tokens get other log-probs in the
-    rollout and in the update, and the PPO ratio is noise. Returns (model, meta)."""
-    cfg, meta = read_meta(path)
-    model = GPT(replace(cfg, head=head, dropout=0.0))
-    sd = {k: v for k, v in load_file(path).items()
-          if k.startswith("transformer.") or cfg.head == head}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    fresh = ({"lm_head.weight"} if head == "lm"
-             else {"score.weight", "score.bias"} if cfg.head != head else set())
-    check(not unexpected and set(missing) <= fresh, f"{path}: not a GPT save_model file "
-          f"(missing {missing[:2]}, unexpected {unexpected[:2]})")
-    check_finite_weights(model, path)
-    return model.to(device), meta
 
 
 # -----------------------------------------------------------------------------
@@ -142,7 +110,7 @@ def val_metrics(model, examples, pad, cfg, d):
 
 
 @torch.no_grad()
-def ref_scores(rm, ref, tok, prompts, d, seed, batch_size=64):
+def ref_scores(reward_model, ref, tok, prompts, d, seed, batch_size=64):
     """Sample one completion per prompt from π_ref (temperature 1, the KV-cache sampler PPO's
     rollout engine uses), sharded over ranks, and score it with r_φ. Returns global sums {n, r, r2,
     t, t2, rt} of r_φ's score r and the hidden true reward t (their correlation: what r_φ learned
@@ -158,8 +126,9 @@ def ref_scores(rm, ref, tok, prompts, d, seed, batch_size=64):
         out = generate(ref, [ids[a] for a in j], n_new, tok.eos, tok.pad,
                        uniforms=U[j].to(d.device))
         with autocast(d.device):
-            r = score_at_last(rm(out["tokens"], mask=out["mask"]).float(), out["mask"]).double()
-        t = torch.tensor([data.true_reward(prompts[a], tok.decode(y[m].tolist())) for a, y, m in
+            values = reward_model(out["tokens"], mask=out["mask"]).float()
+            r = score_at_last(values, out["mask"]).double()
+        t = torch.tensor([task.true_reward(prompts[a], tok.decode(y[m].tolist())) for a, y, m in
                           zip(j, out["tokens"], out["response_mask"])],
                          dtype=torch.float64, device=d.device)
         for k, v in (("n", len(r)), ("r", r.sum()), ("r2", (r * r).sum()), ("t", t.sum()),
@@ -168,7 +137,62 @@ def ref_scores(rm, ref, tok, prompts, d, seed, batch_size=64):
     return reduce_sums(d, **s)
 
 
-# -----------------------------------------------------------------------------
+def setup(cfg, d, log, block):
+    """π_ref's tokenizer and the pairs (built when the default paths are missing), tokenized."""
+    task.require_task({cfg.train_pairs: Config.train_pairs, cfg.val_pairs: Config.val_pairs,
+                       cfg.prompts: Config.prompts}, d, log)
+    tok_path = tokenizer_beside(cfg.sft, "--sft")
+    tok = data.load_tokenizer(tok_path)
+    check(2 <= cfg.max_prompt_len < block,
+          f"--max_prompt_len {cfg.max_prompt_len} must be in [2, {block})")
+    train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), block,
+                                       cfg.max_prompt_len)
+    val, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.val_pairs), block, cfg.max_prompt_len)
+    log(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and "
+        f"{stats['truncated_response']} responses cut to {block} tokens, "
+        f"{stats['unusable']} unusable), {len(val)} val pairs")
+    warn = data.truncation_warning(stats, cfg.train_pairs, block, "Retrain π_ref (sft.py) with a "
+                                   "larger --block_size and a tokenizer made for your text "
+                                   "(--tokenizer); --max_prompt_len sets how much prompt a long "
+                                   "pair keeps.")
+    if warn:
+        log(warn)
+    check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, "
+          f"fewer than --batch_size {cfg.batch_size}")
+    check(len(val) > 0, f"{cfg.val_pairs} has no usable pair: in each row chosen and rejected are "
+          f"identical once cut to {block} tokens")
+    return tok, tok_path, train, val
+
+
+def offset_and_outputs(cfg, reward_model, val, tok, d, log):
+    """Held-out accuracy, then the offset that makes π_ref's completions score 0 on average,
+    folded into the head; saves r_φ and its eval.json."""
+    val_acc, val_loss = val_metrics(reward_model, val, tok.pad, cfg, d)
+    # the best any reward can do on these noisy (Bradley-Terry) labels: the true reward's accuracy
+    rows = data.read_pairs(cfg.val_pairs)
+    true = [(task.true_reward(r["prompt"], r["chosen"]),
+             task.true_reward(r["prompt"], r["rejected"])) for r in rows]
+    oracle = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in true) / len(rows)
+    ref, _ = load_model(cfg.sft, d.device)
+    prompts = data.read_prompts(cfg.prompts)[:cfg.offset_samples]
+    reward_model.eval()
+    with gathered(reward_model):  # --fsdp: whole weights for scoring
+        s = ref_scores(reward_model, ref, tok, prompts, d, cfg.seed)
+    mean = lambda k: s[k] / s["n"]  # noqa: E731
+    offset, std = mean("r"), max(mean("r2") - mean("r") ** 2, 0.0) ** 0.5
+    t_std = max(mean("t2") - mean("t") ** 2, 0.0) ** 0.5
+    corr = (mean("rt") - mean("r") * mean("t")) / max(std * t_std, 1e-12)
+    with torch.no_grad():  # folded into the head, so every reader (PPO, its critic) gets it
+        reward_model.score.bias -= offset  # (--fsdp: into the shards, outside gathered)
+    result = {"val_accuracy": val_acc, "val_loss": val_loss, "oracle_val_accuracy": oracle,
+              "offset": offset, "ref_score_std": std, "ref_true_reward_corr": corr,
+              "steps": cfg.steps}
+    save_outputs(reward_model, cfg.out_dir, {"stage": "reward", "sft": cfg.sft,
+                                             "train_pairs": cfg.train_pairs, **result}, result, d)
+    log(f"val accuracy {val_acc:.3f} (the true reward gets {oracle:.3f} of these noisy "
+        f"labels) | π_ref's completions scored {offset:+.3f} ± {std:.3f} before the "
+        f"offset, now 0 | correlation with the true reward {corr:.3f}; r_φ saved to "
+        f"{cfg.out_dir}/model.safetensors")
 
 
 def main(cfg):
@@ -179,69 +203,42 @@ def main(cfg):
     # ---- inputs: π_ref and the task's pairs, built when the default paths are missing
     require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d,
                   log.print)
-    for path, default in [(cfg.train_pairs, Config.train_pairs), (cfg.val_pairs, Config.val_pairs),
-                          (cfg.prompts, Config.prompts)]:
-        require_stage(path, default, lambda: sft.build_task(d), "python data.py", d, log.print)
-    tok_path = os.path.join(os.path.dirname(cfg.sft), "tokenizer.json")
-    check(os.path.exists(tok_path), f"{tok_path} does not exist: π_ref's tokenizer is read from "
-          "the folder of --sft")
-    tok = data.load_tokenizer(tok_path)
-    raw_model, _ = load_trunk(cfg.sft, "scalar", d.device)
-    block = raw_model.config.block_size
-    check(2 <= cfg.max_prompt_len < block,
-          f"--max_prompt_len {cfg.max_prompt_len} must be in [2, {block})")
-    train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), block,
-                                       cfg.max_prompt_len)
-    val, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.val_pairs), block, cfg.max_prompt_len)
-    log.print(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and "
-              f"{stats['truncated_response']} responses cut to {block} tokens, "
-              f"{stats['unusable']} unusable), {len(val)} val pairs")
-    warn = data.truncation_warning(stats, cfg.train_pairs, block, "Retrain π_ref (sft.py) with a "
-                                   "larger --block_size and a tokenizer made for your text "
-                                   "(--tokenizer); --max_prompt_len sets how much prompt a long "
-                                   "pair keeps.")
-    if warn:
-        log.print(warn)
-    check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, "
-          f"fewer than --batch_size {cfg.batch_size}")
-    check(len(val) > 0, f"{cfg.val_pairs} has no usable pair: in each row chosen and rejected are "
-          f"identical once cut to {block} tokens")
+    reward_model, _ = load_model(cfg.sft, d.device, head="scalar")  # π_ref's trunk, a zero head
+    block = reward_model.config.block_size
+    tok, tok_path, train, val = setup(cfg, d, log.print, block)
     # what the weights are trained from: a resumed run checks it is the same
     inputs = input_fingerprint({"--sft": cfg.sft, "tokenizer": tok_path,
                                 "--train_pairs": cfg.train_pairs}, train)
     lengths = [data.longest_row(e) for e in train]  # to sort each batch by length
 
     # ---- model, optimizer, resume
-    # DDP over the ranks (--fsdp: sharded in place, raw_model with it, so before the optimizer)
-    model = wrap(raw_model, d, fsdp=cfg.fsdp)
-    opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
-    start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
-                          inputs)
+    # DDP over the ranks (--fsdp: sharded in place, reward_model with it, so before the optimizer)
+    model = wrap(reward_model, d, fsdp=cfg.fsdp)
+    opt = adamw(reward_model, cfg.lr, cfg.weight_decay)
+    start, state = resume(ckpt_dir, cfg, {"model": reward_model, "optim": opt}, d.device,
+                          log.print, inputs)
     first_loss = state.get("first_loss")  # the divergence guard's scale, kept across resumes
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
-    mb = cfg.batch_size // d.world // accum
-    peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, 2 * mb * block))
-    log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | "
-              f"batch {cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {mb} | "
-              f"device {d.device}" + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
+    micro_batch = cfg.batch_size // d.world // accum
+    peak = measure_peak_flops(d.device, matmul_shapes(reward_model.config, 2 * micro_batch * block))
+    log.print(f"model: {sum(p.numel() for p in reward_model.parameters()) / 1e6:.2f}M parameters "
+              f"| batch {cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x "
+              f"{micro_batch} "
+              f"| device {d.device}" + (" | sharded (FSDP2)" if sharded(reward_model) else ""))
 
     # ---- training loop
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
+    meter = Meter(d, peak)
     for step in range(start, end):
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        meter.start()
+        lr = set_lr(opt, lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac))
         # sorted by length: each micro-batch padded to its own longest row (data.global_batch)
         mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
         mine = data.rank_slice(mine, d.rank, d.world)
-        # FLOPs of forward + backward (True below): those the real tokens need (the head at one
-        # position per row), and those executed
-        sums = dict.fromkeys(["loss", "correct", "margin", "tokens", "flops_model",
-                              "flops_hardware"], 0.0)
         for m in range(accum):
-            b = data.collate_pairs([train[i] for i in mine[m * mb:(m + 1) * mb]], tok.pad)
+            rows = mine[m * micro_batch:(m + 1) * micro_batch]
+            b = data.collate_pairs([train[i] for i in rows], tok.pad)
             x, mask = b["input_ids"].to(d.device), pair_mask(b["targets"]).to(d.device)
             with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
                 with autocast(d.device):
@@ -252,35 +249,27 @@ def main(cfg):
                 # batch (x world: DDP averages over ranks)
                 (loss * len(rc) * d.world / cfg.batch_size).backward()
             real = (x != tok.pad).sum(1)
-            for k, v in (("loss", loss.detach() * len(rc)), ("correct", (rc > rr).float().sum()),
-                         ("margin", (rc - rr).detach().sum()), ("tokens", real.sum()),
-                         ("flops_model", model_flops(raw_model.config, real, len(x), True)),
-                         ("flops_hardware", estimate_flops(raw_model.config, *x.shape, True))):
-                sums[k] += v
+            meter.add(loss=loss.detach() * len(rc), correct=(rc > rr).float(),
+                      margin=(rc - rr).detach(), tokens=real)
+            # forward + backward; the head needs one position per row, but runs at all of them
+            meter.count(estimate_flops(reward_model.config, *x.shape, True),
+                        model_flops(reward_model.config, real, len(x), True))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        tot = reduce_sums(d, **sums)
+        tot = meter.reduce()
         s = {k: tot[k] / cfg.batch_size for k in ("loss", "correct", "margin")}  # means per pair
-        stop_if_not_finite({"loss": s["loss"], "grad_norm": grad_norm}, f"step {step + 1}",
-                           ckpt_dir, "Try a lower --lr.")
-        first_loss = s["loss"] if first_loss is None else first_loss
-        stop_if_diverged("loss", s["loss"], DIVERGED * first_loss, f"{DIVERGED}x the first "
-                         f"step's {first_loss:.4g}", f"step {step + 1}", ckpt_dir,
-                         "Try a lower --lr.")
+        first_loss = check_step(s["loss"], grad_norm, first_loss, f"step {step + 1}", ckpt_dir,
+                                "Try a lower --lr.")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
         metrics = {"loss": s["loss"], "accuracy": s["correct"], "margin": s["margin"],
-                   "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": tot["tokens"] / dt,
-                   "mfu": tot["flops_model"] / (d.world * peak * dt),
-                   "mfu_hardware": tot["flops_hardware"] / (d.world * peak * dt),
-                   "time/step": 1000 * dt}
+                   "grad_norm": grad_norm, "lr": lr, **meter.timing(tot["tokens"])}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_accuracy"], metrics["val_loss"] = val_metrics(model, val, tok.pad, cfg, d)
         if (step + 1) % 10 == 0 or "val_loss" in metrics or step == 0:
             log.log(step + 1, cfg.steps, metrics, show=("loss", "accuracy", "val_loss",
                                                         "val_accuracy", "grad_norm", "time/step"))
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:  # written by rank 0
-            save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
+            save_checkpoint(ckpt_dir, step + 1, {"model": reward_model, "optim": opt},
                             {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss},
                             write=d.is_main)
     barrier(d)  # rank 0's checkpoint is on disk before any rank moves on
@@ -290,36 +279,7 @@ def main(cfg):
         return teardown(d)
 
     # ---- outputs: held-out accuracy, the offset, the model
-    val_acc, val_loss = val_metrics(model, val, tok.pad, cfg, d)
-    # the best any reward can do on these noisy (Bradley-Terry) labels: the true reward's accuracy
-    rows = data.read_pairs(cfg.val_pairs)
-    true = [(data.true_reward(r["prompt"], r["chosen"]),
-             data.true_reward(r["prompt"], r["rejected"])) for r in rows]
-    oracle = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in true) / len(rows)
-    ref, _ = load_trunk(cfg.sft, "lm", d.device)
-    prompts = data.read_prompts(cfg.prompts)[:cfg.offset_samples]
-    raw_model.eval()
-    with gathered(raw_model):  # --fsdp: whole weights for scoring
-        s = ref_scores(raw_model, ref, tok, prompts, d, cfg.seed)
-    mean = lambda k: s[k] / s["n"]  # noqa: E731
-    offset, std = mean("r"), max(mean("r2") - mean("r") ** 2, 0.0) ** 0.5
-    t_std = max(mean("t2") - mean("t") ** 2, 0.0) ** 0.5
-    corr = (mean("rt") - mean("r") * mean("t")) / max(std * t_std, 1e-12)
-    with torch.no_grad():  # folded into the head, so every reader (PPO, its critic) gets it
-        raw_model.score.bias -= offset  # (--fsdp: into the shards, outside gathered)
-    result = {"val_accuracy": val_acc, "val_loss": val_loss, "oracle_val_accuracy": oracle,
-              "offset": offset, "ref_score_std": std, "ref_true_reward_corr": corr,
-              "steps": cfg.steps}
-    weights = full_state(raw_model, d.is_main)  # --fsdp: gathered from the shards
-    if d.is_main:
-        save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
-                   {"stage": "reward", "sft": cfg.sft, "train_pairs": cfg.train_pairs, **result},
-                   weights)
-        atomic_write_json(os.path.join(cfg.out_dir, "eval.json"), result)
-        log.print(f"val accuracy {val_acc:.3f} (the true reward gets {oracle:.3f} of these noisy "
-                  f"labels) | π_ref's completions scored {offset:+.3f} ± {std:.3f} before the "
-                  f"offset, now 0 | correlation with the true reward {corr:.3f}; r_φ saved to "
-                  f"{cfg.out_dir}/model.safetensors")
+    offset_and_outputs(cfg, reward_model, val, tok, d, log.print)
     teardown(d)
 
 

@@ -11,19 +11,20 @@ ckpt/.
 """
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 import data
-from model import (GPT, GPTConfig, estimate_flops, import_gpt2, matmul_shapes, model_flops,
-                   save_model, sequence_logprobs)
-from plumbing import (DIVERGED, Logger, adamw, atomic_copy, atomic_write_json, autocast, barrier,
-                      check, compile_metrics, full_state, gathered, init_distributed,
-                      input_fingerprint, lr_at, measure_peak_flops, parse_config, prepare_outputs,
-                      reduce_sums, require_stage, resume, save_checkpoint, sharded, split_batch,
-                      stop_if_diverged, stop_if_not_finite, sync_grads, teardown, wrap)
+from checkpoint import (check_step, input_fingerprint, prepare_outputs, resume, save_checkpoint,
+                        save_outputs)
+from hf import import_gpt2
+from meter import Meter, batch_flops, matmul_shapes, measure_peak_flops
+from model import GPT, IGNORE, GPTConfig, sequence_logprobs
+from plumbing import (Logger, adamw, autocast, check, gathered, init_distributed, lr_at,
+                      parse_config, reduce_sums, set_lr, sharded, split_batch, sync_grads, teardown,
+                      wrap)
+from task import require_task
 
 
 @dataclass
@@ -55,32 +56,65 @@ class Config:
     stop_after: int = 0  # stop after this many steps of this run, checkpointed (0 = run to the end)
 
 
-def build_task(d):
-    """The earlier 'stage' of sft is the built-in task: rank 0 generates it, the others wait."""
-    if d.is_main:
-        data.ensure_task()
-    if d.world > 1:
-        torch.distributed.barrier()
-
-
-@torch.no_grad()
 @torch.no_grad()
 def val_loss(model, examples, cfg, d, pad):
     """Mean NLL per predicted token over all val texts, each rank taking every world-th text (in
     order of length: each micro-batch is padded only to its own longest)."""
     model.eval()
     nll = n = 0.0
-    mine, mb = sorted(examples, key=data.longest_row)[d.rank::d.world], cfg.micro_batch_size
+    mine, micro_batch = (sorted(examples, key=data.longest_row)[d.rank::d.world],
+                         cfg.micro_batch_size)
     with gathered(model):  # --fsdp: whole weights on every rank; ranks run unequal counts
-        for i in range(0, len(mine), mb):
-            x, y = data.collate([(e["prompt"], e["response"]) for e in mine[i:i + mb]], pad)
+        for i in range(0, len(mine), micro_batch):
+            rows = mine[i:i + micro_batch]
+            x, y = data.collate([(e["prompt"], e["response"]) for e in rows], pad)
             x, y = x.to(d.device), y.to(d.device)
             with autocast(d.device):
                 logp = sequence_logprobs(model, x, y)
-            nll, n = nll - logp.sum(), n + (y != -100).sum()
+            nll, n = nll - logp.sum(), n + (y != IGNORE).sum()
     s = reduce_sums(d, nll=nll, n=n)
     model.train()
     return s["nll"] / s["n"]
+
+
+def setup(cfg, d, log):
+    """The task's text and tokenizer (built when the default paths are missing), tokenized."""
+    require_task({cfg.train_text: Config.train_text, cfg.val_text: Config.val_text,
+                  cfg.tokenizer: Config.tokenizer}, d, log)
+    tok = data.load_tokenizer(cfg.tokenizer)
+    train, stats = data.tokenize_texts(tok, data.read_texts(cfg.train_text), cfg.block_size)
+    val, val_stats = data.tokenize_texts(tok, data.read_texts(cfg.val_text), cfg.block_size)
+    log(f"data: {len(train)} train texts ({stats['truncated']} cut to {cfg.block_size} "
+        f"tokens), {len(val)} val texts ({val_stats['truncated']} cut)")
+    if stats["truncated"] > data.HEAVY_CUT * len(train):
+        log(f"WARNING: {stats['truncated']} of {len(train)} texts of {cfg.train_text} are "
+            f"cut to --block_size {cfg.block_size} tokens: π_ref learns no ending for them. "
+            "Raise --block_size, or use a tokenizer made for your text (--tokenizer), which "
+            "needs fewer tokens per text")
+    check(len(train) >= cfg.batch_size, f"{cfg.train_text} has {len(train)} usable texts, fewer "
+          f"than --batch_size {cfg.batch_size}")
+    return tok, train, val, stats
+
+
+def new_model(cfg, tok, log):
+    """GPT-2's init from scratch (seeded), or a Hugging Face GPT-2 checkpoint (--init_from)."""
+    torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
+    if not cfg.init_from:
+        return GPT(GPTConfig(block_size=cfg.block_size, vocab_size=tok.vocab_size,
+                             n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                             dropout=cfg.dropout))
+    # the shape is the file's and its config.json's (n_head: the tensors do not say it), not
+    # --n_layer/--n_head/--n_embd, whose defaults would be a guess
+    check(os.path.exists(os.path.join(os.path.dirname(cfg.init_from), "config.json")),
+          f"{cfg.init_from}: no config.json beside it, so its number of heads is unknown: copy "
+          "the model's config.json next to it")
+    model = import_gpt2(cfg.init_from, block_size=cfg.block_size, vocab_size=tok.vocab_size)
+    c = model.config
+    log(f"init from {cfg.init_from}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd "
+        f"{c.n_embd} (its config.json; --n_layer, --n_head, --n_embd are not used)")
+    check(c.vocab_size == tok.vocab_size, f"{cfg.init_from} has a vocabulary of {c.vocab_size}, "
+          f"larger than the tokenizer's {tok.vocab_size}: the wrong tokenizer?")
+    return model
 
 
 def main(cfg):
@@ -88,22 +122,7 @@ def main(cfg):
     log = Logger(cfg.out_dir, d)
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     prepare_outputs({cfg.out_dir: "--out_dir", ckpt_dir: "--out_dir"}, d, log.print)
-    # ---- inputs: the task's text and tokenizer, built when the default paths are missing
-    for path, default in [(cfg.train_text, Config.train_text), (cfg.val_text, Config.val_text),
-                          (cfg.tokenizer, Config.tokenizer)]:
-        require_stage(path, default, lambda: build_task(d), "python data.py", d, log.print)
-    tok = data.load_tokenizer(cfg.tokenizer)
-    train, stats = data.tokenize_texts(tok, data.read_texts(cfg.train_text), cfg.block_size)
-    val, val_stats = data.tokenize_texts(tok, data.read_texts(cfg.val_text), cfg.block_size)
-    log.print(f"data: {len(train)} train texts ({stats['truncated']} cut to {cfg.block_size} "
-              f"tokens), {len(val)} val texts ({val_stats['truncated']} cut)")
-    if stats["truncated"] > data.HEAVY_CUT * len(train):
-        log.print(f"WARNING: {stats['truncated']} of {len(train)} texts of {cfg.train_text} are "
-                  f"cut to --block_size {cfg.block_size} tokens: π_ref learns no ending for them. "
-                  "Raise --block_size, or use a tokenizer made for your text (--tokenizer), which "
-                  "needs fewer tokens per text")
-    check(len(train) >= cfg.batch_size, f"{cfg.train_text} has {len(train)} usable texts, fewer "
-          f"than --batch_size {cfg.batch_size}")
+    tok, train, val, stats = setup(cfg, d, log.print)
     # what the weights are trained from: a resumed run checks it is the same
     inputs = input_fingerprint({"--train_text": cfg.train_text, "--tokenizer": cfg.tokenizer,
                                 "--init_from": cfg.init_from}, train)
@@ -114,55 +133,34 @@ def main(cfg):
     tokens_per_batch = cfg.batch_size * sum(len(e["response"]) for e in train) / len(train)
 
     # ---- model, optimizer, resume
-    torch.manual_seed(cfg.seed)  # the same init on every rank (DDP also broadcasts rank 0's)
-    if cfg.init_from:
-        # the shape is the file's and its config.json's (n_head: the tensors do not say it), not
-        # --n_layer/--n_head/--n_embd, whose defaults would be a guess
-        check(os.path.exists(os.path.join(os.path.dirname(cfg.init_from), "config.json")),
-              f"{cfg.init_from}: no config.json beside it, so its number of heads is unknown: copy "
-              "the model's config.json next to it")
-        raw_model = import_gpt2(cfg.init_from, block_size=cfg.block_size,
-                                vocab_size=tok.vocab_size)
-        c = raw_model.config
-        log.print(f"init from {cfg.init_from}: n_layer {c.n_layer}, n_head {c.n_head}, n_embd "
-                  f"{c.n_embd} (its config.json; --n_layer, --n_head, --n_embd are not used)")
-        check(raw_model.config.vocab_size == tok.vocab_size, f"{cfg.init_from} has a vocabulary "
-              f"of {raw_model.config.vocab_size}, larger than the tokenizer's {tok.vocab_size}: "
-              "the wrong tokenizer?")
-    else:
-        raw_model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=tok.vocab_size,
-                                  n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                                  dropout=cfg.dropout))
-    raw_model.to(d.device)
-    # DDP over the ranks (--fsdp: sharded in place, raw_model with it, so before the optimizer),
+    policy = new_model(cfg, tok, log.print).to(d.device)
+    # DDP over the ranks (--fsdp: sharded in place, policy with it, so before the optimizer),
     # then torch.compile
-    model = wrap(raw_model, d, cfg.compile, cfg.fsdp)
-    opt = adamw(raw_model, cfg.lr, cfg.weight_decay)
-    start, state = resume(ckpt_dir, cfg, {"model": raw_model, "optim": opt}, d.device, log.print,
+    model = wrap(policy, d, cfg.compile, cfg.fsdp)
+    opt = adamw(policy, cfg.lr, cfg.weight_decay)
+    start, state = resume(ckpt_dir, cfg, {"model": policy, "optim": opt}, d.device, log.print,
                           inputs)
     first_loss = state.get("first_loss")  # the divergence guard's scale, kept across resumes
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
-    mb = cfg.batch_size // d.world // accum
-    peak = measure_peak_flops(d.device, matmul_shapes(raw_model.config, mb * cfg.block_size))
-    log.print(f"model: {sum(p.numel() for p in raw_model.parameters()) / 1e6:.2f}M parameters | "
-              f"batch {cfg.batch_size} = {d.world} ranks x {accum} accumulation x {mb} | device "
-              f"{d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)"
-              + (" | sharded (FSDP2)" if sharded(raw_model) else ""))
+    micro_batch = cfg.batch_size // d.world // accum
+    peak = measure_peak_flops(d.device, matmul_shapes(policy.config, micro_batch * cfg.block_size))
+    log.print(f"model: {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters | "
+              f"batch {cfg.batch_size} = {d.world} ranks x {accum} accumulation x {micro_batch} | "
+              f"device {d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)"
+              + (" | sharded (FSDP2)" if sharded(policy) else ""))
 
     # ---- training loop
     end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
+    meter = Meter(d, peak, compile=cfg.compile)
     for step in range(start, end):
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        meter.start()
+        lr = set_lr(opt, lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac))
         batch = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
         n_tok = sum(len(train[i]["response"]) for i in batch)  # this batch's, for the metrics
-        mine, nll = data.rank_slice(batch, d.rank, d.world), 0.0
-        flops = {"model": 0.0, "hardware": 0.0}  # needed by the real tokens; executed
+        mine = data.rank_slice(batch, d.rank, d.world)
         for m in range(accum):
-            rows = [train[i] for i in mine[m * mb:(m + 1) * mb]]
+            rows = [train[i] for i in mine[m * micro_batch:(m + 1) * micro_batch]]
             x, y = data.collate([(e["prompt"], e["response"]) for e in rows], tok.pad)
             x, y = x.to(d.device), y.to(d.device)
             with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
@@ -170,35 +168,22 @@ def main(cfg):
                     logp = sequence_logprobs(model, x, y)  # (B, T), 0 on prompt and padding
                 # x world: DDP averages the ranks' gradients
                 (-logp.sum() * d.world / tokens_per_batch).backward()
-            nll -= logp.sum().detach()
-            K = int((y != -100).sum())
-            flops["hardware"] += estimate_flops(raw_model.config, *x.shape, backward=True,
-                                                outputs=K)
-            flops["model"] += model_flops(raw_model.config, (x != tok.pad).sum(1), K, backward=True)
+            meter.add(nll=-logp.sum().detach())
+            meter.count(*batch_flops(policy.config, x, y, tok.pad, backward=True))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        s = reduce_sums(d, nll=nll, flops_model=flops["model"], flops_hardware=flops["hardware"])
-        loss = s["nll"] / n_tok  # the global batch's mean NLL per token
-        stop_if_not_finite({"loss": loss, "grad_norm": grad_norm}, f"step {step + 1}", ckpt_dir,
-                           "Try a lower --lr.")
-        first_loss = loss if first_loss is None else first_loss
-        stop_if_diverged("loss", loss, DIVERGED * first_loss, f"{DIVERGED}x the first step's "
-                         f"{first_loss:.4g}", f"step {step + 1}", ckpt_dir, "Try a lower --lr.")
+        loss = meter.reduce()["nll"] / n_tok  # the global batch's mean NLL per token
+        first_loss = check_step(loss, grad_norm, first_loss, f"step {step + 1}", ckpt_dir,
+                                "Try a lower --lr.")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": n_tok / dt,
-                   "mfu": s["flops_model"] / (d.world * peak * dt),
-                   "mfu_hardware": s["flops_hardware"] / (d.world * peak * dt),
-                   "time/step": 1000 * dt}
-        if cfg.compile and step == start:  # this step compiled the model: its time is not a step's
-            metrics = compile_metrics(metrics, dt)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **meter.timing(n_tok)}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             metrics["val_loss"] = val_loss(model, val, cfg, d, tok.pad)
         if (step + 1) % 10 == 0 or "val_loss" in metrics or step == 0:
             log.log(step + 1, cfg.steps, metrics,
                     show=("loss", "val_loss", "grad_norm", "lr", "time/step"))
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == end:  # written by rank 0
-            save_checkpoint(ckpt_dir, step + 1, {"model": raw_model, "optim": opt},
+            save_checkpoint(ckpt_dir, step + 1, {"model": policy, "optim": opt},
                             {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss},
                             write=d.is_main)
     if end < cfg.steps:
@@ -208,25 +193,19 @@ def main(cfg):
 
     # ---- outputs: π_ref and its evaluation
     final = val_loss(model, val, cfg, d, tok.pad)
-    weights = full_state(raw_model, d.is_main)  # --fsdp: gathered from the shards
-    if d.is_main:
-        task = os.path.join(os.path.dirname(cfg.val_text), "task.json")
-        floor = None
-        default_val = os.path.abspath(cfg.val_text) == os.path.abspath(Config.val_text)
-        if default_val and os.path.exists(task):
-            with open(task) as f:
-                floor = json.load(f).get("floor_nats_per_token")
-        save_model(raw_model, os.path.join(cfg.out_dir, "model.safetensors"),
-                   {"stage": "sft", "step": cfg.steps, "val_loss": final,
-                    "train_text": cfg.train_text}, weights)
-        atomic_copy(cfg.tokenizer, os.path.join(cfg.out_dir, "tokenizer.json"))
-        atomic_write_json(os.path.join(cfg.out_dir, "eval.json"),
-                          {"val_loss": final, "floor_nats_per_token": floor,
-                           "train_truncated": stats["truncated"], "steps": cfg.steps})
-        gap = f" (the generator's floor is {floor:.4f})" if floor is not None else ""
-        log.print(f"val loss {final:.4f} nats/token{gap}; π_ref saved to "
-                  f"{cfg.out_dir}/model.safetensors")
-    barrier(d)  # π_ref is on disk before any rank returns (a later stage may read it next)
+    task_json = os.path.join(os.path.dirname(cfg.val_text), "task.json")
+    floor = None
+    if os.path.abspath(cfg.val_text) == os.path.abspath(Config.val_text) and \
+            os.path.exists(task_json):
+        with open(task_json) as f:
+            floor = json.load(f).get("floor_nats_per_token")
+    save_outputs(policy, cfg.out_dir, {"stage": "sft", "step": cfg.steps, "val_loss": final,
+                                       "train_text": cfg.train_text},
+                 {"val_loss": final, "floor_nats_per_token": floor,
+                  "train_truncated": stats["truncated"], "steps": cfg.steps}, d, cfg.tokenizer)
+    gap = f" (the generator's floor is {floor:.4f})" if floor is not None else ""
+    log.print(f"val loss {final:.4f} nats/token{gap}; π_ref saved to "
+              f"{cfg.out_dir}/model.safetensors")
     teardown(d)
 
 

@@ -18,7 +18,6 @@ ENV_AS_GIVEN = dict(os.environ)
 if os.environ.get("TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-import csv
 import hashlib
 import itertools
 import json
@@ -41,24 +40,26 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils import flop_counter
 
-import compare
-import costs
+import checkpoint
 import data
 import dpo
 import evaluate
-import gpu
+import meter
 import online_dpo
 import plumbing
 import ppo
 import precompute
 import reward
 import sft
-import tune
+import task as tasks  # the built-in task (`task` is a fixture's name here)
+from checkpoint import tokenizer_beside
 from evaluate import evaluate_policy
-from model import (GPT, GPTConfig, anatomy, count_flops, estimate_flops, export_gpt2,
-    format_anatomy, freeze, generate, generate_flops, import_gpt2, load_model, model_flops,
-    new_kv_cache, read_meta, save_model, sequence_logprobs, token_logprobs)
-from model import matmul_shapes as model_matmul_shapes
+from hf import export_gpt2, import_gpt2
+from meter import (anatomy, count_flops, estimate_flops, format_anatomy, generate_flops,
+                   model_flops)
+from meter import matmul_shapes as model_matmul_shapes
+from model import (GPT, GPTConfig, freeze, generate, load_model, new_kv_cache, pair_logps,
+                   read_meta, save_model, score_at_last, sequence_logprobs, token_logprobs)
 from plumbing import Dist, init_distributed
 
 
@@ -79,7 +80,7 @@ def tiny(tmp_path_factory):
     tiny.task or tiny.sft)."""
     root = tmp_path_factory.mktemp("stack")
     task = str(root / "task")
-    data.build_task(task, seed=0)
+    tasks.build_task(task, seed=0)
     sft.main(sft.Config(out_dir=str(root / "sft"), train_text=f"{task}/sft_train.txt",
                         val_text=f"{task}/sft_val.txt", tokenizer=f"{task}/tokenizer.json",
                         **TINY_MODEL,
@@ -89,9 +90,11 @@ def tiny(tmp_path_factory):
 
 def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
     """`torchrun --nproc_per_node=nproc script args` on the CPU (gloo); returns the
-    CompletedProcess, failing the test with its output if it exits non-zero."""
+    CompletedProcess, failing the test with its output if it exits non-zero. script: a file under
+    the repo root, or "-m package.module" (as `torchrun -m study.compare` runs it)."""
+    target = script.split() if script.startswith("-m ") else [os.path.join(HERE, script)]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--standalone", os.path.join(HERE, script), *args]
+           "--standalone", *target, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
@@ -427,7 +430,7 @@ def test_export_folder_for_transformers(tmp_path):
     data.save_tokenizer(tok, str(src / "tokenizer.json"))
     m = tiny_gpt(vocab_size=tok.vocab_size).float()
     save_model(m, str(src / "model.safetensors"), {"stage": "sft"})
-    p = subprocess.run([sys.executable, os.path.join(HERE, "model.py"), "export",
+    p = subprocess.run([sys.executable, os.path.join(HERE, "hf.py"), "export",
                         str(src / "model.safetensors"), str(tmp_path / "hf")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -538,7 +541,7 @@ def test_logprobs_only_where_a_target_exists_equal_the_full_logits():
 def test_peak_flops_measured_once_at_the_models_shapes_for_long_enough(monkeypatch):
     # A fake clock on which every matmul takes 1 ms: the peak is then the largest shape's 2·m·k·n
     # per ms, and the blocks must hold enough matmuls to last their share of the 0.1 s
-    monkeypatch.setattr(plumbing, "PEAKS", {})
+    monkeypatch.setattr(meter, "PEAKS", {})
     shapes = model_matmul_shapes(GPTConfig(n_embd=32, vocab_size=64), 256, 100)
     seen, now, mm = [], [0.0], torch.mm
 
@@ -547,8 +550,8 @@ def test_peak_flops_measured_once_at_the_models_shapes_for_long_enough(monkeypat
         now[0] += 1e-3
         return mm(a, b, out=out)
     monkeypatch.setattr(torch, "mm", timed_mm)
-    monkeypatch.setattr(plumbing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
-    peak = plumbing.measure_peak_flops(torch.device("cpu"), shapes, seconds=0.1)
+    monkeypatch.setattr(meter, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    peak = meter.measure_peak_flops(torch.device("cpu"), shapes, seconds=0.1)
     # the fastest shape's FLOP/s (the fake clock adds up 1e-3 steps: rounding only)
     assert peak == pytest.approx(max(2 * m * k * n for m, k, n in shapes) / 1e-3, rel=1e-9)
     # each of the model's shapes, the MLP's and the head's among them, in 5 timed blocks of at
@@ -556,7 +559,7 @@ def test_peak_flops_measured_once_at_the_models_shapes_for_long_enough(monkeypat
     assert set(seen) == set(shapes) and (256, 32, 128) in seen and (100, 32, 64) in seen
     assert all(seen.count(s) >= 20 for s in shapes)
     n = len(seen)
-    assert plumbing.measure_peak_flops(torch.device("cpu"), shapes) == peak  # once per process:
+    assert meter.measure_peak_flops(torch.device("cpu"), shapes) == peak  # once per process:
     assert len(seen) == n  # the second call times nothing
 
 
@@ -571,7 +574,7 @@ TASK_FILES = ["pairs_train.jsonl", "pairs_val.jsonl", "prompts_eval.jsonl", "pro
 def task(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("task") / "task")
     logs = []
-    assert data.ensure_task(d, seed=0, log=logs.append) == d
+    assert tasks.ensure_task(d, seed=0, log=logs.append) == d
     assert len(logs) == 1 and "built the task" in logs[0]
     return d
 
@@ -616,19 +619,19 @@ def test_tokenizer_round_trip_and_specials(tmp_path):
 
 def test_build_task_deterministic_and_schema(task, tmp_path):
     again = str(tmp_path / "again")
-    data.build_task(again, seed=0)
+    tasks.build_task(again, seed=0)
     assert sorted(os.listdir(task)) == sorted(os.listdir(again)) == TASK_FILES  # no temp dirs left
     for name in TASK_FILES:
         with open(os.path.join(task, name), "rb") as f, open(os.path.join(again, name), "rb") as g:
             assert f.read() == g.read(), name
     assert not [p for p in os.listdir(tmp_path) if p != "again"]
     logs = []  # present: not rebuilt; another seed in the same folder is an error
-    assert data.ensure_task(task, seed=0, log=logs.append) == task and logs == []
+    assert tasks.ensure_task(task, seed=0, log=logs.append) == task and logs == []
     with pytest.raises(ValueError, match="seed"):
-        data.ensure_task(task, seed=1)
+        tasks.ensure_task(task, seed=1)
     with open(os.path.join(task, "task.json")) as f:
         meta = json.load(f)
-    assert meta["counts"] == data.SIZES and meta["seed"] == 0
+    assert meta["counts"] == tasks.SIZES and meta["seed"] == 0
     with open(os.path.join(task, "pairs_train.jsonl")) as f:
         assert all(list(json.loads(line)) == ["prompt", "chosen", "rejected"] for line in f)
     pairs = data.read_pairs(os.path.join(task, "pairs_train.jsonl"))
@@ -638,8 +641,8 @@ def test_build_task_deterministic_and_schema(task, tmp_path):
                 and r["chosen"] != r["rejected"])
         assert text_ok(r["prompt"] + r["chosen"]) and text_ok(r["prompt"] + r["rejected"])
     # Bradley-Terry labels: noisy, but chosen usually has the higher hidden reward
-    rc = [data.true_reward(r["prompt"], r["chosen"]) for r in pairs]
-    rr = [data.true_reward(r["prompt"], r["rejected"]) for r in pairs]
+    rc = [tasks.true_reward(r["prompt"], r["chosen"]) for r in pairs]
+    rr = [tasks.true_reward(r["prompt"], r["rejected"]) for r in pairs]
     assert 0.7 < sum(a > b for a, b in zip(rc, rr)) / len(pairs) < 0.95
     prompts = data.read_prompts(os.path.join(task, "prompts_eval.jsonl"))
     assert len(prompts) == meta["counts"]["prompts_eval"] and all(p.endswith(" .") for p in prompts)
@@ -647,7 +650,7 @@ def test_build_task_deterministic_and_schema(task, tmp_path):
     assert len(texts) == meta["counts"]["sft_val"] and all(map(text_ok, texts))
 
 def text_ok(t):
-    return math.isfinite(data.text_logprob(t))
+    return math.isfinite(tasks.text_logprob(t))
 
 def test_task_floor(task, tok):
     with open(os.path.join(task, "task.json")) as f:
@@ -667,57 +670,57 @@ def test_task_floor(task, tok):
 
 def test_true_reward_hand_examples():
     # the prompt does not count
-    assert data.true_reward("it felt awful .", " the movie is great .") == 2.0
-    assert data.true_reward("", " i hated the plot . it felt fine .") == -2.0 + 0.5
-    assert data.true_reward("", " the cast was good and good . we saw it on monday .") == 2.0
+    assert tasks.true_reward("it felt awful .", " the movie is great .") == 2.0
+    assert tasks.true_reward("", " i hated the plot . it felt fine .") == -2.0 + 0.5
+    assert tasks.true_reward("", " the cast was good and good . we saw it on monday .") == 2.0
     # junk scores its words
-    assert data.true_reward("", "GREAT,superb!! xyz greatgreat <|endoftext|>") == 4.0
-    assert data.true_reward("", "") == 0.0
+    assert tasks.true_reward("", "GREAT,superb!! xyz greatgreat <|endoftext|>") == 4.0
+    assert tasks.true_reward("", "") == 0.0
 
 def test_text_logprob_hand_worked():
     # "it felt {adj} ." then "we saw it on {day} .", then stop: templates 1/5 each, "great" is
     # positive (prob p) and one of 8, the day one of 5, stop after the 2nd sentence P_STOP; p
     # uniform on 5 values.
-    mean_p = sum(data.P_VALUES) / 5
+    mean_p = sum(tasks.P_VALUES) / 5
     want = (1 / 5) * (mean_p / 8) * (1 / 5) * (1 / 5) * 0.35
-    assert math.isclose(data.text_logprob("it felt great . we saw it on monday ."), math.log(want))
+    assert math.isclose(tasks.text_logprob("it felt great . we saw it on monday ."), math.log(want))
     # 2 positive slots (great, loved) and 2 negative (awful, weak): E_p[p^2 (1-p)^2]; 3 sentences:
     # continue after the 2nd (1 - P_STOP), stop after the 3rd.
-    m = sum(p ** 2 * (1 - p) ** 2 for p in data.P_VALUES) / 5
+    m = sum(p ** 2 * (1 - p) ** 2 for p in tasks.P_VALUES) / 5
     want = ((1 / 5) * (1 / 8) * (1 / 8) * (1 / 8)   # "the {noun} was {adj} and {adj} ."
             * (1 / 5) * (1 / 3) * (1 / 8)           # "i {verb} the {noun} ."
             * (1 / 5) * (1 / 8)                     # "it felt {adj} ."
             * 0.65 * 0.35 * m)
-    got = data.text_logprob("the movie was great and awful . i loved the plot . it felt weak .")
+    got = tasks.text_logprob("the movie was great and awful . i loved the plot . it felt weak .")
     assert math.isclose(got, math.log(want))
     for bad in ["the movie is great .", "the movie is great",
                 "the movie is amazing . it felt good .",
                 "the movie is great .  it felt good .", "it felt great . it felt good . ",
                 "i felt good . it felt good ."]:
-        assert data.text_logprob(bad) == -math.inf, bad
+        assert tasks.text_logprob(bad) == -math.inf, bad
 
 def sentences(templates):
     """Every sentence the given templates can make."""
     out = []
     for t in templates:
-        slots = [data.NEUTRAL[w] if w in data.NEUTRAL else
-                 sum(data.SENTIMENT[w], []) if w in data.SENTIMENT else [w] for w in t.split()]
+        slots = [tasks.NEUTRAL[w] if w in tasks.NEUTRAL else
+                 sum(tasks.SENTIMENT[w], []) if w in tasks.SENTIMENT else [w] for w in t.split()]
         out += [" ".join(ws) for ws in itertools.product(*slots)]
     return out
 
 def test_text_logprob_sums_to_one():
     # Summing the exact probability over whole sets of texts: any unnormalized factor (a slot's word
     # choice, the latent p, the templates, the length) shows up as a wrong total.
-    everything, last = sentences(data.TEMPLATES), sentences(["it felt {adj} ."])
+    everything, last = sentences(tasks.TEMPLATES), sentences(["it felt {adj} ."])
     assert len(everything) == len(set(everything)) == 8 * 16 + 8 * 16 * 16 + 6 * 8 + 16 + 5
-    total = sum(math.exp(data.text_logprob(a + " " + b)) for a in everything for b in last)
+    total = sum(math.exp(tasks.text_logprob(a + " " + b)) for a in everything for b in last)
     assert math.isclose(total, 0.35 * (1 / 5), rel_tol=1e-9)  # P(2 sentences) * P(2nd is "it felt")
     short = sentences(["it felt {adj} .", "we saw it on {day} ."])
-    total = sum(math.exp(data.text_logprob(" ".join(s)))
+    total = sum(math.exp(tasks.text_logprob(" ".join(s)))
                 for s in itertools.product(short, repeat=3))
     assert math.isclose(total, 0.65 * 0.35 * (2 / 5) ** 3, rel_tol=1e-9)
 
-# ---- regimes of the task (issue 9)
+# ---- regimes of the task
 
 # sha256 of the default task's data files for seed 0, made by main at a1dd8eb, before regimes
 # existed: the regimes must leave the default data, and every result computed from it, as they
@@ -739,8 +742,8 @@ def regimes(task, tmp_path_factory):
     root = tmp_path_factory.mktemp("regimes")
     out = {"default": task}
     for regime in ("capped", "shifted"):
-        out[regime] = data.ensure_task(str(root / regime), seed=0, regime=regime,
-                                       log=lambda *a: None)
+        out[regime] = tasks.ensure_task(str(root / regime), seed=0, regime=regime,
+                                        log=lambda *a: None)
     return out
 
 
@@ -759,20 +762,21 @@ def test_default_regime_is_the_task_as_it_was(regimes):
         with open(os.path.join(regimes["default"], name), "rb") as f:
             assert hashlib.sha256(f.read()).hexdigest() == want, name
     meta = task_meta(regimes["default"])
-    assert (meta["regime"], meta["p_values"], meta["cap"]) == ("default", list(data.P_VALUES), None)
+    want = ("default", list(tasks.P_VALUES), None)
+    assert (meta["regime"], meta["p_values"], meta["cap"]) == want
     pool = data.read_pairs(f"{regimes['default']}/pairs_train.jsonl")
-    assert meta["pool_best"] == data.pool_best(pool)
+    assert meta["pool_best"] == tasks.pool_best(pool)
 
 
 def test_capped_pool_holds_nothing_above_the_cap(regimes):
-    cap, default, capped = data.CAP, regimes["default"], regimes["capped"]
+    cap, default, capped = tasks.CAP, regimes["default"], regimes["capped"]
     meta = task_meta(capped)
     assert (meta["regime"], meta["cap"], meta["pool_best"]) == ("capped", cap, cap)
     # the stated cap is the median true reward of the generator's responses (the default pool's)
-    assert statistics.median(data.true_reward(p, y) for p, y in responses(default)) == cap
+    assert statistics.median(tasks.true_reward(p, y) for p, y in responses(default)) == cap
     for split in ("pairs_train", "pairs_val"):
         got = responses(capped, split)
-        assert max(data.true_reward(p, y) for p, y in got) <= cap  # the pool never shows more
+        assert max(tasks.true_reward(p, y) for p, y in got) <= cap  # the pool never shows more
         assert all(text_ok(p + y) for p, y in got)  # the generator's responses, only fewer of them
         # the same prompts in the same order, and a pair that was under the cap anyway is unchanged:
         # only the responses above the cap were redrawn
@@ -780,7 +784,8 @@ def test_capped_pool_holds_nothing_above_the_cap(regimes):
         new = data.read_pairs(os.path.join(capped, f"{split}.jsonl"))
         assert [r["prompt"] for r in old] == [r["prompt"] for r in new]
         under = [o == n for o, n in zip(old, new)
-                 if max(data.true_reward(o["prompt"], o[k]) for k in ("chosen", "rejected")) <= cap]
+                 if max(tasks.true_reward(o["prompt"], o[k])
+                        for k in ("chosen", "rejected")) <= cap]
         assert len(under) > len(old) / 4 and all(under)
     # everything else is the default's, byte for byte: the same π_ref serves both regimes
     for name in TASK_FILES:
@@ -791,50 +796,51 @@ def test_capped_pool_holds_nothing_above_the_cap(regimes):
 
 def test_shifted_generator_puts_pi_refs_mode_below_the_default(regimes):
     meta = task_meta(regimes["shifted"])
-    assert (meta["regime"], meta["p_values"]) == ("shifted", list(data.SHIFTED_P_VALUES))
+    assert (meta["regime"], meta["p_values"]) == ("shifted", list(tasks.SHIFTED_P_VALUES))
     # π_ref imitates the generator's texts (sft.py gets within ~0.03 nats of its floor), so their
     # mean true reward is π_ref's. Closed form: a sentence's expected reward given the latent p is
     # (2p - 1) times the mean weight of its slots' words, 1.25 per adjective and 1.5 per verb, over
     # the templates' 4 adjectives and 1 verb in 5; times the expected number of sentences.
-    e_n = sum(n * (data.P_STOP if 2 <= n < data.MAX_SENTENCES else 1) * (1 - data.P_STOP) ** (n - 2)
-              for n in range(2, data.MAX_SENTENCES + 1))
+    e_n = sum(n * (tasks.P_STOP if 2 <= n < tasks.MAX_SENTENCES else 1)
+              * (1 - tasks.P_STOP) ** (n - 2)
+              for n in range(2, tasks.MAX_SENTENCES + 1))
     mean = {}
     for regime in ("default", "shifted"):
-        pv = data.SHIFTED_P_VALUES if regime == "shifted" else data.P_VALUES
+        pv = tasks.SHIFTED_P_VALUES if regime == "shifted" else tasks.P_VALUES
         want = (2 * sum(pv) / len(pv) - 1) * (4 * 1.25 + 1.5) / 5 * e_n
-        r = [data.true_reward("", t) for t in data.read_texts(f"{regimes[regime]}/sft_val.txt")]
+        r = [tasks.true_reward("", t) for t in data.read_texts(f"{regimes[regime]}/sft_val.txt")]
         mean[regime] = statistics.mean(r)
         # 4 standard errors of the mean of 1000 texts: fails by chance with probability < 1e-4
         assert abs(mean[regime] - want) <= 4 * statistics.stdev(r) / math.sqrt(len(r)), regime
     assert mean["shifted"] < mean["default"] - 2
     # the pairs come from that same generator: their responses are as negative as π_ref's
-    pool = {k: statistics.mean(data.true_reward(p, y) for p, y in responses(regimes[k]))
+    pool = {k: statistics.mean(tasks.true_reward(p, y) for p, y in responses(regimes[k]))
             for k in ("default", "shifted")}
     assert pool["shifted"] < pool["default"] - 1
     # the floor in task.json is the shifted generator's entropy: its texts are in the language and
     # their exact probability is computed with the shifted p values
     texts = data.read_texts(f"{regimes['shifted']}/sft_val.txt")
-    assert all(math.isfinite(data.text_logprob(t, data.SHIFTED_P_VALUES)) for t in texts)
+    assert all(math.isfinite(tasks.text_logprob(t, tasks.SHIFTED_P_VALUES)) for t in texts)
     tok = data.load_tokenizer(f"{regimes['shifted']}/tokenizer.json")
     n_tok = sum(len(tok.encode(t)) + 1 for t in texts)
-    floor = -sum(data.text_logprob(t, data.SHIFTED_P_VALUES) for t in texts) / n_tok
+    floor = -sum(tasks.text_logprob(t, tasks.SHIFTED_P_VALUES) for t in texts) / n_tok
     assert meta["floor_nats_per_token"] == pytest.approx(floor, rel=1e-12)
 
 
 def test_regimes_deterministic_and_a_bad_regime_is_a_clear_error(regimes, tmp_path):
     again = str(tmp_path / "again")
-    data.build_task(again, seed=0, regime="capped")
+    tasks.build_task(again, seed=0, regime="capped")
     for name in TASK_FILES:
         with open(os.path.join(regimes["capped"], name), "rb") as f:
             assert f.read() == open(os.path.join(again, name), "rb").read(), name
     with pytest.raises(ValueError, match="regime capped, not seed 0 and regime shifted"):
-        data.ensure_task(again, seed=0, regime="shifted")
+        tasks.ensure_task(again, seed=0, regime="shifted")
     says = ("error: --regime 'nope' is not a regime of the task: choose one of default, capped, "
             "shifted")
     with pytest.raises(SystemExit, match=re.escape(says)):
-        data.ensure_task(str(tmp_path / "nope"), regime="nope")
+        tasks.ensure_task(str(tmp_path / "nope"), regime="nope")
     assert not os.path.exists(tmp_path / "nope")
-    p = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "--regime", "nope",
+    p = subprocess.run([sys.executable, os.path.join(HERE, "task.py"), "--regime", "nope",
                         "--out_dir", str(tmp_path / "nope")], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 1 and p.stderr.strip() == says and not os.path.exists(tmp_path / "nope")
@@ -844,8 +850,8 @@ def test_pool_best_and_the_fraction_beyond_it():
     rows = [{"prompt": "it felt great .", "chosen": " i loved the plot . it felt fine .",
              "rejected": " it felt bad ."},
             {"prompt": "x", "chosen": " it felt good .", "rejected": " it felt awful ."}]
-    assert data.pool_best(rows) == 2.5  # loved + fine; the prompt's "great" does not count
-    assert data.fraction_beyond([2.5, 3.0, -1.0, 4.0], 2.5) == 0.5  # strictly beyond: 3 and 4
+    assert tasks.pool_best(rows) == 2.5  # loved + fine; the prompt's "great" does not count
+    assert tasks.fraction_beyond([2.5, 3.0, -1.0, 4.0], 2.5) == 0.5  # strictly beyond: 3 and 4
 
 
 GOOD = '{"prompt": "the plot is", "chosen": " good .", "rejected": " bad ."}'
@@ -1007,7 +1013,7 @@ def test_own_data_on_the_example_file(tmp_path):
     with open(EXAMPLE) as f:
         raw = [json.loads(line) for line in f]
     assert len(raw) >= 30 and {tuple(sorted(r)) for r in raw} == {("chosen", "prompt", "rejected"),
-                                                                 ("chosen", "rejected")}
+                                                                  ("chosen", "rejected")}
     assert {type(r["chosen"]) for r in raw} == {str, list}
     rows = data.read_pairs(EXAMPLE)
     out = tmp_path / "own"
@@ -1025,8 +1031,7 @@ def test_own_data_on_the_example_file(tmp_path):
     # the block printed is the longest pair with this tokenizer, BOS and EOS included: nothing cut
     tok = data.load_tokenizer(str(out / "tokenizer.json"))
     longest = max(len(data.encode_prompt(tok, r["prompt"]))
-                  + max(len(data.encode_response(tok, r[k]))
-                                                                  for k in ("chosen", "rejected"))
+                  + max(len(data.encode_response(tok, r[k])) for k in ("chosen", "rejected"))
                   for r in rows)
     assert f"block_size {longest} (the longest pair is {longest} tokens" in p.stdout, p.stdout
     assert "0 of 36 prompts and 0 of 36 pairs' responses cut" in p.stdout
@@ -1042,7 +1047,7 @@ def test_own_data_on_the_example_file(tmp_path):
     assert st["truncated_response"] > 0 and lost[0] != lost[1]  # chosen answers run longer here
 
 def test_own_data_path_builds_its_own_cache_and_leaves_the_builtin_one(tmp_path, monkeypatch,
-                                                                      capsys):
+                                                                       capsys):
     """The README's own-data path as data.py own prints it (a tiny model and 2 steps added), run
     where a zero-argument run left the built-in task's cache: dpo.py builds the cache of your pairs
     in a folder of its own and leaves the built-in one as it was (bytes and mtime), a second run
@@ -1091,7 +1096,7 @@ def test_own_data_path_builds_its_own_cache_and_leaves_the_builtin_one(tmp_path,
     assert not os.path.exists("out/sft") and not os.path.exists("out/task")  # nothing built
     # pairs the task's generator writes (a regime's, e.g. out/task-capped) may use its π_ref
     rng = random.Random(0)
-    (tmp_path / "capped.jsonl").write_text("".join(json.dumps(data.sample_pair(rng)) + "\n"
+    (tmp_path / "capped.jsonl").write_text("".join(json.dumps(tasks.sample_pair(rng)) + "\n"
                                                    for _ in range(20)))
     precompute.check_own_inputs(precompute.Config(train_pairs="capped.jsonl"))
 
@@ -1279,13 +1284,13 @@ def test_checkpoint_round_trip_and_a_crash_keeps_the_previous_one(tmp_path):
     opt = torch.optim.AdamW(net.parameters(), lr=0.1)
     net(torch.randn(3, 4)).sum().backward()
     opt.step()
-    plumbing.save_checkpoint(str(tmp_path), 7, {"model": net, "optim": opt, "gen": torch.arange(3)},
-                             {"a": 1})
+    checkpoint.save_checkpoint(str(tmp_path), 7,
+                               {"model": net, "optim": opt, "gen": torch.arange(3)}, {"a": 1})
     net2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     opt2 = torch.optim.AdamW(net2.parameters(), lr=0.1)
-    step, state = plumbing.load_checkpoint(str(tmp_path),
-                                           {"model": net2, "optim": opt2, "gen": torch.zeros(3)},
-                                           "cpu")
+    step, state = checkpoint.load_checkpoint(str(tmp_path),
+                                             {"model": net2, "optim": opt2, "gen": torch.zeros(3)},
+                                             "cpu")
     assert step == 7 and state["a"] == 1 and torch.equal(state["tensors"]["gen"], torch.arange(3))
     for p, q in zip(net.parameters(), net2.parameters()):
         assert torch.equal(p, q)
@@ -1293,7 +1298,7 @@ def test_checkpoint_round_trip_and_a_crash_keeps_the_previous_one(tmp_path):
         assert all(torch.equal(torch.as_tensor(s[k]), torch.as_tensor(t[k])) for k in s)
     # a writer that died before renaming leaves only a .tmp: the checkpoint on record is unchanged
     (tmp_path / "step-0000008.safetensors.tmp").write_bytes(b"half")
-    assert plumbing.checkpoint_state(str(tmp_path))["step"] == 7
+    assert checkpoint.checkpoint_state(str(tmp_path))["step"] == 7
 
 
 # ---- sft: world size 2 equals 1, resumed equals uninterrupted, torchrun smoke
@@ -1506,11 +1511,11 @@ def test_concatenated_forward_equals_separate_forwards_and_counts_only_responses
     ex, _ = data.tokenize_pairs(tok, data.read_pairs(f"{tiny.task}/pairs_val.jsonl")[:5], 64, 16)
     b = data.collate_pairs(ex, tok.pad)
     with torch.no_grad():
-        both = precompute.pair_logps(model, b["input_ids"], b["targets"])  # (2B,)
+        both = pair_logps(model, b["input_ids"], b["targets"])  # (2B,)
         for half, key in ((both[:5], "chosen"), (both[5:], "rejected")):
             # its own, shorter padding
             x, y = data.collate([(e["prompt"], e[key]) for e in ex], tok.pad)
-            torch.testing.assert_close(half, precompute.pair_logps(model, x, y), rtol=0, atol=1e-10)
+            torch.testing.assert_close(half, pair_logps(model, x, y), rtol=0, atol=1e-10)
             # the obvious way: one unpadded sequence, response tokens only
             for e, got in zip(ex, half):
                 seq = torch.tensor([e["prompt"] + e[key]])
@@ -1547,7 +1552,7 @@ def test_grouped_micro_batches_with_targets_only_give_todays_loss_and_gradients(
     full = lambda x, y: token_logprobs(model(x), y).sum(-1)  # noqa: E731
     today, g_today, n_today = loss_and_grads([batch[::-1]], full)  # any order: one batch
     ours, g_ours, n_ours = loss_and_grads([batch[i:i + 4] for i in range(0, 16, 4)],
-                                          lambda x, y: precompute.pair_logps(model, x, y))
+                                          lambda x, y: pair_logps(model, x, y))
     assert abs(today.item() - ours.item()) < 1e-12
     assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(g_today, g_ours))
     assert n_ours < n_today  # and each micro-batch was cut to its own longest row (808 < 896)
@@ -1957,12 +1962,12 @@ def test_reward_read_at_last_token_independent_of_padding():
     # right padding, no mask (the training batches), with the real-token mask from the
     # collate targets
     ids, targets = data.collate([(s[:1], s[1:]) for s in seqs] + [([1], [2] * 20)], pad)
-    right = reward.score_at_last(m(ids), reward.pair_mask(targets))[:3]
+    right = score_at_last(m(ids), reward.pair_mask(targets))[:3]
     # left padding with a mask (generate's layout)
     L = 12
     lids = torch.tensor([[pad] * (L - len(s)) + s for s in seqs])
     lmask = torch.tensor([[False] * (L - len(s)) + [True] * len(s) for s in seqs])
-    left = reward.score_at_last(m(lids, mask=lmask), lmask)
+    left = score_at_last(m(lids, mask=lmask), lmask)
     torch.testing.assert_close(right, torch.tensor(alone), atol=1e-5, rtol=0)
     torch.testing.assert_close(left, torch.tensor(alone), atol=1e-5, rtol=0)
 
@@ -1972,11 +1977,11 @@ def test_load_trunk_keeps_the_transformer(tmp_path):
     torch.manual_seed(0)
     lm = GPT(GPTConfig(block_size=16, vocab_size=20, n_layer=1, n_head=2, n_embd=8, dropout=0.1))
     save_model(lm, str(tmp_path / "m.safetensors"), {})
-    rm, _ = reward.load_trunk(str(tmp_path / "m.safetensors"), "scalar", "cpu")
+    rm, _ = load_model(str(tmp_path / "m.safetensors"), "cpu", head="scalar")
     assert rm.config.dropout == 0.0 and rm.config.head == "scalar"
     assert torch.equal(rm.transformer.h[0].mlp.c_fc.weight, lm.transformer.h[0].mlp.c_fc.weight)
     assert (rm.score.weight == 0).all()
-    pol, _ = reward.load_trunk(str(tmp_path / "m.safetensors"), "lm", "cpu")
+    pol, _ = load_model(str(tmp_path / "m.safetensors"), "cpu", head="lm")
     assert pol.lm_head.weight is pol.transformer.wte.weight
 
 
@@ -2155,8 +2160,8 @@ def test_ppo_loop_wiring(tiny, tiny_rm, tmp_path, monkeypatch):
     spy("pg", ppo.ppo_policy_loss, lambda a, kw, out: (a[0].detach(), *a[1:4], *out[1:]))
     spy("vf", ppo.ppo_value_loss, lambda a, kw, out: a[4])
     ppo.main(cfg)
-    ref = reward.load_trunk(cfg.sft, "lm", "cpu")[0].eval()
-    r_phi = reward.load_trunk(rm, "scalar", "cpu")[0].eval()
+    ref = load_model(cfg.sft, "cpu", head="lm")[0].eval()
+    r_phi = load_model(rm, "cpu", head="scalar")[0].eval()
     want_prompts = sorted(data.truncate_prompt(data.encode_prompt(tok, t), cfg.max_prompt_len)
                           for t in texts)
     calls = len(seen["pg"]) // cfg.iterations  # ppo_epochs x minibatches x micro-steps
@@ -2176,7 +2181,7 @@ def test_ppo_loop_wiring(tiny, tiny_rm, tmp_path, monkeypatch):
         with torch.no_grad():
             lp = token_logprobs(engine(tokens, mask=mask)[:, P - 1:-1], targets, cfg.temperature)
             lq = token_logprobs(ref(tokens, mask=mask)[:, P - 1:-1], targets, cfg.temperature)
-            raw = reward.score_at_last(r_phi(tokens, mask=mask), mask)
+            raw = score_at_last(r_phi(tokens, mask=mask), mask)
         ended = ((resp == tok.eos) & rmask).any(1)
         assert 0 < ended.sum() < len(ended)  # both sides of the missing-EOS rule
         want = torch.where(rmask, -cfg.kl_coef * (lp - lq), 0.0)
@@ -2280,7 +2285,7 @@ def test_online_round_equals_dpo_step_on_the_same_pairs(tiny, monkeypatch):  # n
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
     ordered, tied, seen = [], [], set()
     for r in data.read_pairs(f"{tiny.task}/pairs_train.jsonl"):
-        rc, rr = (data.true_reward(r["prompt"], r[k]) for k in ("chosen", "rejected"))
+        rc, rr = (tasks.true_reward(r["prompt"], r[k]) for k in ("chosen", "rejected"))
         if r["prompt"] not in seen and rc > rr and len(ordered) < 13:
             ordered.append(r)
         elif r["prompt"] not in seen and rc == rr and len(tied) < 3:
@@ -2398,9 +2403,9 @@ def test_beyond_pool_is_the_share_of_completions_above_the_pools_best(tiny):  # 
     ref, ref2 = (load_model(f"{tiny.sft}/model.safetensors")[0] for _ in range(2))
     prompts = data.read_prompts(f"{tiny.task}/prompts_eval.jsonl")[:40]
     path = f"{tiny.task}/prompts_eval.jsonl"
-    best = evaluate.task_pool_best(path)  # the tiny task's folder holds task.json
-    assert best == data.pool_best(data.read_pairs(f"{tiny.task}/pairs_train.jsonl"))
-    assert evaluate.task_pool_best(str(tiny.root / "elsewhere" / "p.jsonl")) is None
+    best = tasks.task_pool_best(path)  # the tiny task's folder holds task.json
+    assert best == tasks.pool_best(data.read_pairs(f"{tiny.task}/pairs_train.jsonl"))
+    assert tasks.task_pool_best(str(tiny.root / "elsewhere" / "p.jsonl")) is None
     # a threshold inside the rewards' range, so that the share is neither 0 nor 1; with k = 1 the
     # samples hold every completion and its score: count them independently of the sums
     for t in (0.0, 1.0):
@@ -2408,49 +2413,11 @@ def test_beyond_pool_is_the_share_of_completions_above_the_pools_best(tiny):  # 
                               pool_best=t)
         assert len(res["samples"]) == res["n_completions"] == 40
         for side in ("policy", "ref"):
-            share = data.fraction_beyond([s[f"{side}_reward"] for s in res["samples"]], t)
+            share = tasks.fraction_beyond([s[f"{side}_reward"] for s in res["samples"]], t)
             got = res["beyond_pool" if side == "policy" else "ref_beyond_pool"]
             assert 0 < share < 1 and got == pytest.approx(share, abs=1e-12), (t, side)
     assert "beyond_pool" not in evaluate_policy(ref, ref2, tok, prompts[:2], init_distributed(),
                                                 k=1)
-
-
-def test_compare_regimes_paths_and_a_bad_regime(tmp_path):
-    cfg = compare.Config(out_dir=str(tmp_path / "cmp"), task=str(tmp_path / "task"),
-                         regimes="default,capped")
-    d, c = compare.regimes(cfg)
-    assert (d["task"], d["sft"], d["prefix"]) == (cfg.task, cfg.sft, "")
-    assert c["task"] == f"{cfg.task}-capped" and c["prefix"] == "capped/"
-    assert c["reward_model"] == f"{cfg.out_dir}/capped/reward/model.safetensors"
-    with pytest.raises(SystemExit, match="not a regime"):
-        compare.regimes(replace(cfg, regimes="default,greedy"))
-    with pytest.raises(SystemExit, match="distinct"):
-        compare.regimes(replace(cfg, regimes="capped,capped"))
-
-
-def test_tune_varies_one_factor_at_a_time_at_one_budget_in_rollouts(tmp_path):
-    """tune.py's PPO grid: each run differs from ppo.py's defaults in its one tuned field (the
-    default setting once, not once per factor), and every run scores the same number of rollouts;
-    DPO's grid is lr × length at one β."""
-    cfg = tune.Config(out_dir=str(tmp_path), seeds="1,2", ppo_lrs="3e-5,1e-4",
-                      ppo_epochs="2,4", rollout_batches="64,128", ppo_rollouts=1280)
-    runs = tune.runs(cfg)
-    base, tuned = ppo.Config(), ("lr", "ppo_epochs", "rollout_batch")
-    ppos = [c for _, stage, c in runs if stage is ppo]
-    moved = sorted(tuple(f for f in tuned if getattr(c, f) != getattr(base, f)) for c in ppos)
-    assert base.lr == 1e-4 and base.ppo_epochs == 4 and base.rollout_batch == 64
-    assert moved == [(), (), ("lr",), ("lr",), ("ppo_epochs",), ("ppo_epochs",),
-                     ("rollout_batch",), ("rollout_batch",)]
-    assert all(c.iterations * c.rollout_batch == 1280 and c.kl_coef == cfg.kl_coef for c in ppos)
-    dpos = [c for _, stage, c in runs if stage is dpo]
-    assert sorted((c.lr, c.steps, c.seed) for c in dpos) == sorted(
-        (lr, n, s) for lr in (1e-4, 3e-4, 1e-3) for n in (100, 200, 300) for s in (1, 2))
-    assert all(c.beta == cfg.beta for c in dpos)
-    names = [name for name, _, c in runs]
-    assert len(set(names)) == len(names) and all(
-        c.out_dir == f"{tmp_path}/{name}" for name, _, c in runs)
-    with pytest.raises(SystemExit, match="not a multiple of rollout batch 128"):
-        tune.runs(replace(cfg, ppo_rollouts=1216))
 
 
 def constant_gpt(vocab_size, favourite, block_size=64):
@@ -2499,9 +2466,9 @@ def test_evaluation_scores_every_model_by_one_rule(tiny):  # noqa: F811
 
 def test_evaluation_on_user_prompts_omits_the_hidden_reward(tiny):  # noqa: F811
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
-    assert evaluate.task_prompts(["it felt good .", "the movie is great . i loved the plot ."])
+    assert tasks.task_prompts(["it felt good .", "the movie is great . i loved the plot ."])
     for user in (["Human: hi there. Assistant:"], ["it felt good"], ["it felt amazing ."]):
-        assert not evaluate.task_prompts(user + ["it felt good ."])
+        assert not tasks.task_prompts(user + ["it felt good ."])
     quitter = constant_gpt(tok.vocab_size, tok.eos)
     user = ["Human: hi there. Assistant:"]
     res = evaluate_policy(quitter, quitter, tok, user, init_distributed(), k=2)
@@ -2560,180 +2527,7 @@ def test_evaluation_kl_against_exact_enumeration():
     assert exact > 20 * sd / n ** 0.5 and abs(res["kl"] - exact) <= 5 * sd / n ** 0.5
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_analytic_bytes_match_the_tensors(bias):
-    for head in ("lm", "scalar"):
-        c = GPTConfig(block_size=24, vocab_size=40, n_layer=2, n_head=2, n_embd=16, bias=bias,
-                      head=head)
-        torch.manual_seed(0)
-        m = GPT(c)
-        ps = list(m.parameters())  # a tied lm_head is wte: once
-        assert costs.n_params(c) == (sum(p.numel() for p in ps), len(ps))
-        w = sum(p.nbytes for p in ps)
-        assert costs.state_bytes(c, False) == {"weights": w, "grads": 0, "optimizer": 0, "total": w}
-        opt = torch.optim.AdamW(ps)
-        m(torch.randint(0, 40, (2, 10))).float().pow(2).mean().backward()
-        opt.step()  # AdamW allocates m, v and a step count per tensor
-        got = {"weights": w, "grads": sum(p.grad.nbytes for p in ps),
-               "optimizer": sum(t.nbytes for s in opt.state.values() for t in s.values())}
-        assert costs.state_bytes(c, True) == {**got, "total": sum(got.values())}
-        assert (costs.state_bytes(c, False, w=2)["weights"]
-                == sum(p.nbytes for p in GPT(c).to(torch.bfloat16).parameters()))
-    # mixed precision: 2 + 2 + 12 bytes per trained parameter (+ 4 per tensor), the
-    # optimizer's share split by ZeRO-1
-    big = GPTConfig(block_size=512, vocab_size=32000, n_layer=32, n_head=32, n_embd=4096,
-                    bias=False)
-    P, n = costs.n_params(big)
-    assert 6.5e9 < P < 6.7e9
-    assert costs.state_bytes(big, True, w=2)["total"] == 16 * P + 4 * n
-    assert (costs.state_bytes(big, True, w=2, world=8, shard="zero1")["total"]
-            == 4 * P + (12 * P + 4 * n) / 8)
-    assert costs.state_bytes(big, False, w=2, world=8, shard="fsdp")["total"] == 2 * P / 8
-
-
-def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F811
-    # r_φ and the critic: π_ref's trunk with a fresh scalar head (load_trunk), enough to count
-    # their work
-    sft_file = f"{tiny.sft}/model.safetensors"
-    cfg = compare.Config(task=tiny.task, sft=sft_file, reward_model=sft_file)
-    c, flops, shapes, units, models = costs.measure_small(cfg, init_distributed(), B=8)
-    for job in costs.JOBS:
-        # exact: the same counting rules
-        assert costs.iteration_flops(c, job, **shapes[job]) == flops[job], job
-    # the rollout sampled several tokens (KV-cache steps counted)
-    assert shapes["ppo"]["T"] > shapes["ppo"]["P"] + 1
-    # online DPO's round: KV-cache steps sampled, and every phase did work (a dropped term shows)
-    assert shapes["online_dpo"]["L"] > shapes["online_dpo"]["P"] + 1
-    assert all(v > 0 for v in flops["online_dpo"].values())
-    for job in costs.JOBS:
-        for name, head, trains in costs.JOBS[job]:
-            measured, w = models[name]
-            assert costs.state_bytes(replace(c, head=head), trains, w=w) == measured, (job, name)
-
-
-def test_mean_and_standard_error_across_seeds_by_hand():
-    m, se = compare.mean_se([1.0, 2.0, 3.0, 6.0])
-    # mean 3; sample variance (4 + 1 + 0 + 9) / 3 = 14/3; s.e. = √(14/3 / 4) = √(7/6)
-    assert m == 3.0 and se == pytest.approx(math.sqrt(7 / 6), rel=1e-12)
-    assert compare.mean_se([0.5])[0] == 0.5 and math.isnan(compare.mean_se([0.5])[1])
-    assert compare.mean_se([1.0, None]) == (None, None)  # an eval.json without the field
-
-
-def test_matched_kl_interpolation_by_hand():
-    # settings of one method, each a list of its seeds' (kl, reward); given out of KL order
-    c = [(5.0, 1.0), (5.0, 1.0)]  # mean (5, 1), no spread
-    a = [(1.0, 0.0), (1.0, 1.0)]  # mean (1, 0.5); the reward alone spreads
-    b = [(2.5, 2.0), (3.5, 2.0)]  # mean (3, 2); the KL alone spreads
-    curve = [c, a, b]
-    # x = 2: halfway from a to b, 0.5 + 0.5·1.5 = 1.25; slope 0.75. reward − 0.75·kl per seed: a
-    # (-0.75, 0.25), s.e. |difference|/2 = 0.5; b (0.125, -0.625), s.e. 0.375. se² = 0.5²·0.5² +
-    # 0.5²·0.375² = 0.09765625 = 0.3125²
-    y, se = compare.at_kl(curve, 2.0)
-    assert y == pytest.approx(1.25, abs=1e-12) and se == pytest.approx(0.3125, abs=1e-12)
-    # x = 4: halfway from b to c, 1.5; slope -0.5: b's 2 + 0.5·kl = (3.25, 3.75), s.e. 0.25; c none
-    y, se = compare.at_kl(curve, 4.0)
-    assert y == pytest.approx(1.5, abs=1e-12) and se == pytest.approx(0.5 * 0.25, abs=1e-12)
-    assert compare.at_kl(curve, 1.0)[0] == pytest.approx(0.5, abs=1e-12)  # the range's own ends
-    assert compare.at_kl(curve, 5.0)[0] == pytest.approx(1.0, abs=1e-12)
-    for x in (0.99, 5.01, 0.0):  # outside the measured range of mean KL [1, 5]: no number
-        assert compare.at_kl(curve, x) is None
-    assert compare.at_kl([a], 1.0) is None  # one setting: no curve to read
-
-
-def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval(  # noqa: F811
-        tiny, dpo_cache):
-    d = init_distributed()
-    c = dpo_cfg(tiny, "curve-chunks", steps=4, eval_k=2)
-    points = compare.train_in_chunks(dpo, c, 2, d, resume=False)
-    assert [p["step"] for p in points] == [2, 4]
-    with open(tiny.root / "curve-chunks" / "eval.json") as f:
-        ev = json.load(f)
-    # the last point is the run's own final evaluation: the same policy, prompts, k and seed
-    assert ({k: ev[k] for k in points[-1] if k != "step"}
-            == {k: v for k, v in points[-1].items() if k != "step"})
-    assert points[0]["kl"] != points[1]["kl"]  # the first point saw the policy halfway
-    dpo.main(dpo_cfg(tiny, "curve-whole", steps=4, eval_k=2))
-    a, b = dpo_weights(tiny.root / "curve-chunks"), dpo_weights(tiny.root / "curve-whole")
-    # chunks and evaluations change nothing: bit for bit
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    # killed after the last chunk's checkpoint, before its evaluations: resuming trains nothing more
-    # and writes the run's eval.json and the last point again
-    out = tiny.root / "curve-chunks"
-    os.remove(out / "eval.json")
-    (out / "curve.json").write_text(json.dumps(points[:1]))
-    assert compare.train_in_chunks(dpo, c, 2, d, resume=True) == points
-    assert json.loads((out / "eval.json").read_text()) == ev
-
-
-def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
-    root = tiny.root / "compare-test"
-    task = root / "task"  # a slice of the task, so every run takes a second or two
-    os.makedirs(task)
-    for name, n in (("pairs_train.jsonl", 256), ("pairs_val.jsonl", 64),
-                    ("prompts_train.jsonl", 256), ("prompts_eval.jsonl", 16)):
-        (task / name).write_text("".join(open(f"{tiny.task}/{name}").readlines()[:n]))
-    sft_file = f"{tiny.sft}/model.safetensors"
-    precompute.main(precompute.Config(out_dir=str(root / "ref_logps"), ref_model=sft_file,
-                                      train_pairs=str(task / "pairs_train.jsonl"),
-                                      val_pairs=str(task / "pairs_val.jsonl")))
-    cfg = compare.Config(out_dir=str(root / "out"), task=str(task), sft=sft_file,
-                         reward_model=sft_file, ref_logps=str(root / "ref_logps"), betas="0.1",
-                         kl_coefs="0.05", true_kl_coefs="",
-                         seeds="1,1001", dpo_steps=2, ppo_iterations=2, eval_k=1, curve_beta=0.1,
-                         curve_kl_coef=0.05, curve_points=2, match_kls="0.001", rounds=1,
-                         time_steps=2)
-    compare.main(cfg)
-    with open(root / "out" / "frontier.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert [(r["run"], r["method"], r["seed"]) for r in rows] == [
-        ("ref", "π_ref", ""), ("dpo-beta0.1-seed1", "DPO", "1"),
-        ("dpo-beta0.1-seed1001", "DPO", "1001"),
-        ("ppo-kl0.05-seed1", "PPO", "1"), ("ppo-kl0.05-seed1001", "PPO", "1001")]
-    assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows
-                                               for k in ("kl", "true_reward", "win_rate"))
-    # the seeds trained differently
-    assert rows[1]["kl"] != rows[2]["kl"] and rows[3]["kl"] != rows[4]["kl"]
-    md = (root / "out" / "frontier.md").read_text()
-    # each setting's row: the mean over its two seeds ± the standard error across them
-    for i in (1, 3):
-        m, se = compare.mean_se([float(rows[j]["true_reward"]) for j in (i, i + 1)])
-        assert f"{m:+.3f} ± {se:.3f}" in md
-    # each curve: step 0 is π_ref, its last point the first seed's eval.json (ppo.py's and dpo.py's)
-    with open(root / "out" / "curves.csv") as f:
-        curves = list(csv.DictReader(f))
-    for run, row in (("dpo-beta0.1-seed1", rows[1]), ("ppo-kl0.05-seed1", rows[3])):
-        c = [r for r in curves if r["run"] == run]
-        assert [int(r["step"]) for r in c] == [0, 1, 2] and float(c[0]["kl"]) == 0.0
-        assert c[-1]["kl"] == row["kl"] and c[-1]["true_reward"] == row["true_reward"]
-        assert float(c[0]["flops"]) == 0 < float(c[1]["flops"]) < float(c[2]["flops"])
-    # 2 x 64 pairs; 64 rollouts
-    assert [int(r["responses"]) for r in curves] == [0, 128, 256, 0, 64, 128]
-    with open(root / "out" / "costs.json") as f:
-        res = json.load(f)
-    for job in costs.JOBS:
-        r = res["jobs"][job]
-        assert (r["bytes_analytic"] == r["bytes_measured"]
-                and r["flops_analytic"] == r["flops_counted"]), job
-    assert res["jobs"]["ppo"]["bytes_analytic"]["total"] \
-        > res["jobs"]["dpo_live"]["bytes_analytic"]["total"] \
-        > res["jobs"]["dpo_cache"]["bytes_analytic"]["total"]
-    summary = (root / "out" / "summary.md").read_text()
-    assert "python compare.py --out_dir" in summary and "frontier" in summary and "7B" in summary
-    # resumed on two ranks with one more β: the five finished runs are skipped, only β 0.3 trains
-    args = [a for k, v in vars(replace(cfg, betas="0.1,0.3")).items() if not isinstance(v, bool)
-            for a in (f"--{k}", str(v))]
-    p = run_torchrun("compare.py", args + ["--no-costs"])
-    assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 5
-    assert "[4/7] dpo-beta0.3-seed1: dpo.main" in p.stdout
-    with open(root / "out" / "frontier.csv") as f:
-        assert [r["run"] for r in csv.DictReader(f)] == ["ref", "dpo-beta0.1-seed1",
-                                                        "dpo-beta0.1-seed1001",
-                                                        "dpo-beta0.3-seed1", "dpo-beta0.3-seed1001",
-                                                        "ppo-kl0.05-seed1", "ppo-kl0.05-seed1001"]
-
-
-# ===========================================================================================
-
+# ==================================================================================================
 # bf16 and CUDA: the GPU path's numerics, simulated on the CPU and run on CUDA where there is one
 # ==================================================================================================
 
@@ -2764,7 +2558,7 @@ def bf16(request, monkeypatch):
     "cpu" with plumbing.precision replaced, so that the stages take their CUDA path's numerics
     there (bf16 autocast, bf16 frozen models and rollout copy, "bf16" in the cache fingerprint)."""
     if request.param == "cpu":
-        for mod in (plumbing, dpo, ppo, precompute):
+        for mod in (plumbing, checkpoint, dpo, ppo, online_dpo, precompute):
             monkeypatch.setattr(mod, "precision", lambda device: "bf16")
     return request.param
 
@@ -2784,7 +2578,7 @@ def test_lm_head_runs_in_fp32_under_bf16_autocast(tiny):  # noqa: F811
     hidden = {}
     model.transformer.ln_f.register_forward_hook(lambda m, args, out: hidden.setdefault("x", out))
     with torch.no_grad():
-        fp32 = precompute.pair_logps(model, b["input_ids"], b["targets"]).double()
+        fp32 = pair_logps(model, b["input_ids"], b["targets"]).double()
         hidden.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(b["input_ids"])
@@ -2822,7 +2616,7 @@ def load_state(into, model):
 def test_cache_of_another_precision_is_refused(tiny, dpo_cache, monkeypatch):  # noqa: F811
     cfg = dpo_cfg(tiny, "dpo-precision", steps=1)
     with monkeypatch.context() as m:  # a bf16 run finds the fp32 cache
-        for mod in (plumbing, dpo, ppo, precompute):
+        for mod in (plumbing, checkpoint, dpo, ppo, online_dpo, precompute):
             m.setattr(mod, "precision", lambda device: "bf16")
         with pytest.raises(SystemExit, match=r"stale.*the precision \(fp32 -> bf16\)\. Rebuild"):
             dpo.main(cfg)
@@ -2856,12 +2650,6 @@ def test_compiled_run_times_its_first_step_as_compile(tiny, dpo_cache, monkeypat
     timed = ("time/step", "time/policy_forward", "tokens_per_sec", "mfu")
     assert first["time/compile"] > 0 and not any(k in first for k in timed) and "loss" in first
     assert all(k in second for k in timed) and "time/compile" not in second
-
-
-def test_gpu_command_on_a_cpu_says_it_needs_cuda(tmp_path):
-    with pytest.raises(SystemExit, match="^error: gpu.py needs a CUDA GPU"):
-        gpu.main(gpu.Config(out_dir=str(tmp_path / "gpu")))
-    assert not os.path.exists(tmp_path / "gpu")  # nothing was written
 
 
 def assert_within_bf16_bounds(x, y):
@@ -2964,19 +2752,19 @@ def tiny_reward_config(tiny, out, **kw):
 
 def test_guards_stop_and_a_non_finite_checkpoint_is_never_written(tmp_path):
     ckpt = str(tmp_path)
-    plumbing.stop_if_diverged("loss", 69.0, 69.3, "100x the first", "step 2", ckpt, "")
+    checkpoint.stop_if_diverged("loss", 69.0, 69.3, "100x the first", "step 2", ckpt, "")
     with pytest.raises(SystemExit, match=r"diverged: loss 70 at step 2 is above 69.3 \(100x the "
                                          r"first\).*last checkpoint is kept: none.*lower --lr"):
-        plumbing.stop_if_diverged("loss", 70.0, 69.3, "100x the first", "step 2", ckpt,
-                                  "Try a lower --lr.")
+        checkpoint.stop_if_diverged("loss", 70.0, 69.3, "100x the first", "step 2", ckpt,
+                                    "Try a lower --lr.")
     net = torch.nn.Linear(3, 2)
-    plumbing.save_checkpoint(ckpt, 1, {"model": net}, {})
+    checkpoint.save_checkpoint(ckpt, 1, {"model": net}, {})
     with torch.no_grad():
         net.bias[1] = float("inf")
     with pytest.raises(SystemExit, match=r"non-finite values in model/bias at step 2: not saved.*"
                                          r"kept: .* at step 1"):
-        plumbing.save_checkpoint(ckpt, 2, {"model": net}, {})
-    assert plumbing.checkpoint_state(ckpt)["step"] == 1
+        checkpoint.save_checkpoint(ckpt, 2, {"model": net}, {})
+    assert checkpoint.checkpoint_state(ckpt)["step"] == 1
     assert sorted(os.listdir(ckpt)) == ["latest.json", "step-0000001.safetensors"]
 
 
@@ -2991,7 +2779,7 @@ def test_sft_and_reward_stop_before_a_non_finite_update(tiny, dpo_cache, tmp_pat
         reward.main(tiny_reward_config(tiny, tmp_path / "reward", steps=4, lr=1e30, warmup=1,
                                        ckpt_every=1))
     for stage in ("sft", "reward"):
-        assert plumbing.checkpoint_state(str(tmp_path / stage / "ckpt"))["step"] == 1
+        assert checkpoint.checkpoint_state(str(tmp_path / stage / "ckpt"))["step"] == 1
         ckpt = load_file(str(tmp_path / stage / "ckpt" / "step-0000001.safetensors"))
         assert all(torch.isfinite(v).all() for v in ckpt.values())
         assert not os.path.exists(tmp_path / stage / "model.safetensors")
@@ -3011,7 +2799,7 @@ def test_a_non_finite_reference_is_named_as_the_cause(tiny, dpo_cache, tmp_path)
         dpo.main(dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo"), ref_model=nan_ref,
                          train_pairs=pairs, val_pairs=pairs, ref="live"))
     with pytest.raises(SystemExit, match=says):  # how ppo.py loads π_ref and r_φ, reward.py π_ref
-        reward.load_trunk(nan_ref, "scalar", "cpu")
+        load_model(nan_ref, "cpu", head="scalar")
     # finite weights whose logits overflow: the log-probs are named, not a missing cache row
     big = lambda m: m.transformer.ln_f.weight.fill_(1e38)  # noqa: E731
     pc = replace(pc, ref_model=own_ref(tiny, tmp_path / "big", big))
@@ -3039,24 +2827,26 @@ def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tmp_path):
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("one\n"), b.write_text("two\n")
     files = {"--train_text": str(a), "--tokenizer": str(b), "--init_from": ""}
-    inputs = plumbing.input_fingerprint(files, [[1, 2]])
+    inputs = checkpoint.input_fingerprint(files, [[1, 2]])
     assert set(inputs) == {f"--train_text {a}", f"--tokenizer {b}", "token ids"}  # "": unused
-    plumbing.save_checkpoint(ckpt, 3, {"model": net}, {"config": asdict(cfg), "inputs": inputs})
-    assert plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)[0] == 3
+    checkpoint.save_checkpoint(ckpt, 3, {"model": net}, {"config": asdict(cfg), "inputs": inputs})
+    assert checkpoint.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)[0] == 3
     a.write_text("one, edited\n")  # the data file changed: named with its sha256, and what to do
-    changed = plumbing.input_fingerprint(files, [[1, 3]])
+    changed = checkpoint.input_fingerprint(files, [[1, 3]])
     with pytest.raises(SystemExit, match=rf"other inputs, changed since: --train_text {a} \(sha256 "
                                          r"[0-9a-f]{12} -> [0-9a-f]{12}\)\. Pass --no-resume .* "
                                          r"another --out_dir"):
-        plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, changed)
+        checkpoint.resume(ckpt, cfg, {"model": net}, "cpu", print, changed)
     # the same files, other token ids (the truncation code changed): the catch-all says so
     with pytest.raises(SystemExit, match=r"changed since: the token ids of the training data"):
-        plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, {**inputs, "token ids": "0" * 64})
+        checkpoint.resume(ckpt, cfg, {"model": net}, "cpu", print,
+                          {**inputs, "token ids": "0" * 64})
     no = replace(cfg, resume=False)
-    assert plumbing.resume(ckpt, no, {"model": net}, "cpu", print, changed) == (0, {})
-    plumbing.save_checkpoint(ckpt, 4, {"model": net}, {"config": asdict(cfg)})  # an older version's
+    assert checkpoint.resume(ckpt, no, {"model": net}, "cpu", print, changed) == (0, {})
+    # an older version's
+    checkpoint.save_checkpoint(ckpt, 4, {"model": net}, {"config": asdict(cfg)})
     with pytest.raises(SystemExit, match="records no fingerprint of its inputs"):
-        plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)
+        checkpoint.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)
     # files damaged outside this code (its own writes are atomic): one error line, no traceback
     step = tmp_path / "step-0000004.safetensors"
     step.write_bytes(step.read_bytes()[:100])
@@ -3064,9 +2854,9 @@ def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tmp_path):
     for damaged in ("latest.json", "step-0000004.safetensors"):
         with pytest.raises(SystemExit, match=r"holds a checkpoint that cannot be read \(.*\); pass "
                                              "--no-resume"):
-            plumbing.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)
+            checkpoint.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)
         (tmp_path / "latest.json").write_text(json.dumps({"file": step.name, "step": 4}))
-    plumbing.save_checkpoint(ckpt, 5, {"model": net}, {})  # --no-resume writes over a damaged one
+    checkpoint.save_checkpoint(ckpt, 5, {"model": net}, {})  # --no-resume writes over a damaged one
     assert sorted(os.listdir(ckpt))[-2:] == ["latest.json", "step-0000005.safetensors"]
 
 
@@ -3159,28 +2949,28 @@ def test_the_metrics_rewrite_at_resume_is_atomic(tmp_path, monkeypatch):
 def test_a_kill_during_a_checkpoint_write_leaks_nothing(tmp_path):
     ckpt = tmp_path / "ckpt"
     net = torch.nn.Linear(4, 4)
-    plumbing.save_checkpoint(str(ckpt), 1, {"model": net}, {})
+    checkpoint.save_checkpoint(str(ckpt), 1, {"model": net}, {})
     # Killed mid-write for real: a file-size limit of 64 KiB, and SIGXFSZ's default action (Python
     # ignores it), end the process inside safetensors' save_file of a 4 MiB tensor.
-    code = ("import resource, signal, torch, plumbing; signal.signal(signal.SIGXFSZ, "
+    code = ("import resource, signal, torch, checkpoint; signal.signal(signal.SIGXFSZ, "
             "signal.SIG_DFL); resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)); "
-            f"plumbing.save_checkpoint({str(ckpt)!r}, 2, {{'w': torch.zeros(1 << 20)}}, {{}})")
+            f"checkpoint.save_checkpoint({str(ckpt)!r}, 2, {{'w': torch.zeros(1 << 20)}}, {{}})")
     p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True)
     assert p.returncode == -25  # SIGXFSZ
     # what it leaves: safetensors' own hidden temp file (.tmpXXXXXX), or ours
     leaked = set(os.listdir(ckpt)) - {"latest.json", "step-0000001.safetensors"}
-    assert leaked and all(plumbing.STALE_TEMP.fullmatch(f) for f in leaked), leaked
+    assert leaked and all(checkpoint.STALE_TEMP.fullmatch(f) for f in leaked), leaked
     (ckpt / "notes.tmp").write_text("not ours")  # not a name we write: kept
     said = []
-    plumbing.prepare_outputs({str(ckpt): "--out_dir"}, CPU, said.append)
+    checkpoint.prepare_outputs({str(ckpt): "--out_dir"}, CPU, said.append)
     assert sorted(os.listdir(ckpt)) == ["latest.json", "notes.tmp", "step-0000001.safetensors"]
     assert said == [f"removed temp files that a killed run left in {ckpt}: "
                     f"{', '.join(sorted(leaked))}"]
-    assert plumbing.checkpoint_state(str(ckpt))["step"] == 1  # the previous checkpoint, intact
+    assert checkpoint.checkpoint_state(str(ckpt))["step"] == 1  # the previous checkpoint, intact
     # a save cleans up too: a killed save's temp files go with the checkpoint it replaces
     (ckpt / ".tmpAb3dE9").write_bytes(b"x" * 100)
     (ckpt / "step-0000002.safetensors.tmp").write_bytes(b"x")
-    plumbing.save_checkpoint(str(ckpt), 3, {"model": net}, {})
+    checkpoint.save_checkpoint(str(ckpt), 3, {"model": net}, {})
     assert sorted(os.listdir(ckpt)) == ["latest.json", "notes.tmp", "step-0000003.safetensors"]
 
 
@@ -3265,10 +3055,10 @@ def test_truncation_counts_lost_eos_per_side_and_warns(tiny, dpo_cache, tmp_path
 def test_checkpoint_and_cache_files_get_the_mode_of_the_json_beside_them(tmp_path):
     old = os.umask(0o027)
     try:
-        plumbing.save_checkpoint(str(tmp_path / "ckpt"), 1, {"model": torch.nn.Linear(2, 2)}, {})
+        checkpoint.save_checkpoint(str(tmp_path / "ckpt"), 1, {"model": torch.nn.Linear(2, 2)}, {})
         precompute.save_ref_logps(str(tmp_path / "train.safetensors"), torch.zeros(2, 3), {}, {},
                                   {})
-        plumbing.atomic_write_json(str(tmp_path / "eval.json"), {})
+        checkpoint.atomic_write_json(str(tmp_path / "eval.json"), {})
         save_model(GPT(GPTConfig(block_size=8, vocab_size=10, n_layer=1, n_head=1, n_embd=4)),
                    str(tmp_path / "model.safetensors"), {})
     finally:
@@ -3339,7 +3129,7 @@ def _fsdp_worker(rank, init_file, result_dir):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt.step()
     torch.optim.AdamW(ref.parameters(), lr=1e-2).step()
-    state = plumbing.full_state(model)  # whole tensors, gathered on every rank here
+    state = checkpoint.full_state(model)  # whole tensors, gathered on every rank here
     r["state_diff"] = max((v - ref.state_dict()[k]).abs().max().item() for k, v in state.items())
     r["state_keys"] = sorted(state) == sorted(dict(ref.named_parameters()))  # the tie once
     with torch.no_grad(), plumbing.gathered(model):  # rank 0 runs none, rank 1 two: no collective
@@ -3347,26 +3137,24 @@ def _fsdp_worker(rank, init_file, result_dir):
     r["gathered_diff"] = max([o.abs().max().item() for o in outs], default=0.0)
     # a checkpoint written from the shards loads into one process and into a sharded model alike
     ckpt = os.path.join(result_dir, "ckpt")
-    plumbing.save_checkpoint(ckpt, 1, {"model": model, "optim": opt}, {}, write=rank == 0)
+    checkpoint.save_checkpoint(ckpt, 1, {"model": model, "optim": opt}, {}, write=rank == 0)
     torch.distributed.barrier()
     whole = {f"{n}/{k}": v for n, s in opt.state_dict()["state"].items() for k, v in s.items()}
-    whole = {k: plumbing.full_tensor(v) for k, v in whole.items()}
+    whole = {k: checkpoint.full_tensor(v) for k, v in whole.items()}
     for fsdp in (False, True):
         m2 = tiny_gpt(seed=5)
         if fsdp:
             plumbing.wrap(m2, d, fsdp=True)
         o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-        plumbing.load_checkpoint(ckpt, {"model": m2, "optim": o2}, "cpu")
-        s2 = plumbing.full_state(m2)
-        got = {f"{n}/{k}": plumbing.full_tensor(v) for n, s in o2.state_dict()["state"].items()
+        checkpoint.load_checkpoint(ckpt, {"model": m2, "optim": o2}, "cpu")
+        s2 = checkpoint.full_state(m2)
+        got = {f"{n}/{k}": checkpoint.full_tensor(v) for n, s in o2.state_dict()["state"].items()
                for k, v in s.items()}
         r[f"load_{fsdp}"] = (all(torch.equal(state[k], s2[k]) for k in state)
                              and all(torch.equal(whole[k], got[k]) for k in whole))
         for q in m2.parameters():  # and Adam steps from it: its moments sharded as the weights
             q.grad = torch.zeros_like(q)
         o2.step()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))  # init_distributed finds the group
-    r["rank_state"] = costs.rank_state()  # what `torchrun --nproc_per_node=2 costs.py` prints
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(r, f)
     torch.distributed.barrier()  # as plumbing.teardown: no rank destroys the group under its peer
@@ -3378,8 +3166,9 @@ def test_fsdp_plumbing_on_two_gloo_ranks(tmp_path):
     reduce-scatter to the last micro-step and the gradients then equal the whole batch's; the
     clipped norm of the sharded grads is the unsharded norm; full_state gathers whole tensors;
     gathered runs unequal forwards; a checkpoint from the shards loads into one process and into
-    shards; and the per-rank bytes of the model state, DDP against FSDP. float64: only the order of
-    sums differs (measured: grads 4e-16, weights after an Adam step 2.3e-15; 1e-12 leaves room)."""
+    shards (the per-rank bytes, DDP against FSDP, are tests/test_studies.py's). float64: only the
+    order of sums differs (measured: grads 4e-16, weights after an Adam step 2.3e-15; 1e-12 leaves
+    room)."""
     mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         with open(tmp_path / f"{rank}.json") as f:
@@ -3388,16 +3177,7 @@ def test_fsdp_plumbing_on_two_gloo_ranks(tmp_path):
         for k in ("grad_diff", "norm_diff", "clipped_grad_diff", "state_diff", "gathered_diff"):
             assert r[k] <= 1e-12, (k, r)
         assert r["load_False"] and r["load_True"], r
-    # costs.rank_state, the bytes each rank holds, measured: FSDP's two ranks hold together exactly
-    # DDP's one copy of weights, grads and Adam's moments, half each (π_ref's rows divide by 2),
-    # plus AdamW's step counts, whole on every rank
-    res = r["rank_state"]
-    ddp, fsdp = res["ddp"]["ranks"], res["fsdp"]["ranks"]
-    n = costs.n_params(GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64))[1]
-    assert ddp[0] == ddp[1] == {k: int(v) for k, v in res["ddp"]["analytic"].items()}
-    for k in ("weights", "grads"):
-        assert fsdp[0][k] == fsdp[1][k] == ddp[0][k] / 2 == res["fsdp"]["analytic"][k], k
-    assert fsdp[0]["optimizer"] == fsdp[1]["optimizer"] == (ddp[0]["optimizer"] - 4 * n) / 2 + 4 * n
+
 
 
 def test_fsdp_sft_two_ranks_equal_one_process(tiny, tmp_path):
@@ -3447,7 +3227,7 @@ def test_fsdp_precompute_two_ranks_writes_the_same_cache(tiny, dpo_cache):  # no
         with safe_open(f"{out}/{split}.safetensors", "pt") as f:  # --fsdp is not in it: dpo.py
             fp = json.loads(f.metadata()["fingerprint"])          # reads it with or without
         want = precompute.fingerprint(c, split, data.tokenize_pairs(
-            data.load_tokenizer(precompute.tokenizer_path(c.ref_model)),
+            data.load_tokenizer(tokenizer_beside(c.ref_model)),
             data.read_pairs(getattr(c, f"{split}_pairs")), c.max_len, c.max_prompt_len)[0],
             torch.device("cpu"))
         assert fp == want

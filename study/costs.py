@@ -5,9 +5,10 @@ machine slows every job alike, so the ratios hold), and the one-time precompute 
 FLOPs and in time. The analytic functions are checked here against the tensors' bytes and torch's
 FLOP counter, then evaluated for a Llama-2-7B-sized GPT on 8 GPUs.
 
-    python compare.py --no-frontier      # runs these tables alone (compare.py runs them after the
-                                         # frontier); they land in out/compare/costs.{md,json}
-    torchrun --nproc_per_node=2 costs.py # per-rank state under DDP and --fsdp, measured
+    python -m study.compare --no-frontier  # runs these tables alone (study.compare runs them after
+                                           # the frontier); they land in out/compare/costs.{md,json}
+    torchrun --nproc_per_node=2 -m study.costs  # per-rank state under DDP and --fsdp, measured;
+                                           # also the section "fsdp" of RESULTS.md
 """
 import copy
 import gc
@@ -15,7 +16,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +28,11 @@ import dpo
 import online_dpo
 import ppo
 import precompute
-import reward
-from model import (GPT, GPTConfig, count_flops, estimate_flops, generate, generate_flops,
-                   load_model, sequence_logprobs)
-from plumbing import adamw, all_reduce_sum, init_distributed, teardown, wrap
+from checkpoint import tokenizer_beside
+from meter import count_flops, estimate_flops, generate_flops
+from model import GPT, GPTConfig, generate, load_model, pair_logps, score_at_last, sequence_logprobs
+from plumbing import adamw, all_reduce_sum, init_distributed, parse_config, teardown, wrap
+from study.results import flags, launcher, write_section
 
 # -----------------------------------------------------------------------------
 # The analytic costs. Checked against the tensors' nbytes and torch's FlopCounterMode at π_ref's
@@ -173,16 +175,16 @@ def reference_flops(c, batches, pad):
 
 def measure_small(cfg, d, B=32):
     """One iteration's model work of each job at π_ref's size on real pairs and prompts, with the
-    calls the loops make (model.generate, precompute.pair_logps, forward + backward, an AdamW step).
+    calls the loops make (model.generate, model.pair_logps, forward + backward, an AdamW step).
     DPO's batch is the first micro-batch of dpo.py's first step (by length), PPO's the first B
     prompts, online DPO's two completions of each of them. Returns the GPTConfig, the FLOPs counted
     by phase, the shapes iteration_flops needs, the units (padded positions, real tokens,
     examples) and per model (the bytes its tensors hold, bytes per weight)."""
-    tok = data.load_tokenizer(precompute.tokenizer_path(cfg.sft))
+    tok = data.load_tokenizer(tokenizer_beside(cfg.sft, "--sft"))
     frozen = lambda m: m.eval().requires_grad_(False)  # noqa: E731
     policy, ref = load_model(cfg.sft, d.device)[0].eval(), frozen(load_model(cfg.sft, d.device)[0])
-    critic = reward.load_trunk(cfg.reward_model, "scalar", d.device)[0]
-    rm = frozen(reward.load_trunk(cfg.reward_model, "scalar", d.device)[0])
+    critic = load_model(cfg.reward_model, d.device, head="scalar")[0]
+    rm = frozen(load_model(cfg.reward_model, d.device, head="scalar")[0])
     rollout = frozen(copy.deepcopy(policy).to(  # as ppo.py
         torch.bfloat16 if d.device.type == "cuda" else torch.float32))
     c, D = policy.config, dpo.Config
@@ -190,11 +192,11 @@ def measure_small(cfg, d, B=32):
                                    D.max_prompt_len)
     b = data.collate_pairs(dpo_batches(train, D.batch_size, B, D.seed, steps=1)[0], tok.pad)
     x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)  # (2B, T)
-    _, f_policy = count_flops(lambda: precompute.pair_logps(policy, x, y).sum().backward())
+    _, f_policy = count_flops(lambda: pair_logps(policy, x, y).sum().backward())
     prompts = [data.encode_prompt(tok, p)
                for p in data.read_prompts(f"{cfg.task}/prompts_train.jsonl")[:B]]
     with torch.no_grad():
-        _, f_ref = count_flops(lambda: precompute.pair_logps(ref, x, y))
+        _, f_ref = count_flops(lambda: pair_logps(ref, x, y))
         P, g = max(map(len, prompts)), torch.Generator(device=d.device).manual_seed(0)
         out, f_roll = count_flops(lambda: generate(rollout, prompts, c.block_size - P, tok.eos,
                                                    tok.pad, generator=g))
@@ -213,17 +215,17 @@ def measure_small(cfg, d, B=32):
     U = torch.rand(2 * B, c.block_size - P, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         on, f_o_roll = count_flops(lambda: generate(rollout, prompts + prompts, c.block_size - P,
-                                                   tok.eos, tok.pad, uniforms=U.to(d.device)))
+                                                    tok.eos, tok.pad, uniforms=U.to(d.device)))
         s, f_o_rm = count_flops(
-            lambda: reward.score_at_last(rm(on["tokens"], mask=on["mask"]).float(), on["mask"]))
+            lambda: score_at_last(rm(on["tokens"], mask=on["mask"]).float(), on["mask"]))
         ys = [row[k].tolist() for row, k in zip(on["tokens"], on["response_mask"])]
         a_chosen, _ = online_dpo.label_pairs(s[:B], s[B:])
         pairs = [dict(index=j, prompt=p, chosen=a if w else b, rejected=b if w else a)
                  for j, (p, a, b, w) in enumerate(zip(prompts, ys[:B], ys[B:], a_chosen.tolist()))]
         ob = data.collate_pairs(pairs, tok.pad)
         xo, yo = ob["input_ids"].to(d.device), ob["targets"].to(d.device)  # (2B, T)
-        _, f_o_ref = count_flops(lambda: precompute.pair_logps(ref, xo, yo))
-    _, f_o_pol = count_flops(lambda: precompute.pair_logps(policy, xo, yo).sum().backward())
+        _, f_o_ref = count_flops(lambda: pair_logps(ref, xo, yo))
+    _, f_o_pol = count_flops(lambda: pair_logps(policy, xo, yo).sum().backward())
     opts = [torch.optim.AdamW(mod.parameters()) for mod in (policy, critic)]
     for o in opts:
         o.step()  # AdamW allocates m, v and the step counts on its first step
@@ -254,7 +256,7 @@ def precompute_payback(cfg, d, cache_dir):
     own pass (read from the cache files the timed run wrote) against the live π_ref forwards of one
     epoch of dpo.py's training steps (at the default batch sizes) and of one evaluation of the val
     pairs (dpo.evaluate_pairs' micro-batches, in order of length)."""
-    tok = data.load_tokenizer(precompute.tokenizer_path(cfg.sft))
+    tok = data.load_tokenizer(tokenizer_beside(cfg.sft, "--sft"))
     c, D = load_model(cfg.sft)[0].config, dpo.Config
     res = {}
     for split in ("train", "val"):
@@ -437,8 +439,7 @@ def costs_markdown(res, cfg):
         f"{total(job, k) / total('dpo_cache', k):.1f}× per {name}" for k, name in UNITS)
     units = "; ".join(f"{LABEL[job]}: {u['examples']} examples, {u['positions']:,} positions, "
                       f"{u['tokens']:,} of them real tokens"
-                      for job, u in ((j, J[j]["units"]) for j in ("ppo", "online_dpo",
-                                                                   "dpo_cache")))
+                      for job in ("ppo", "online_dpo", "dpo_cache") for u in [J[job]["units"]])
     pb, E = res["payback_flops"], res["payback_flops"]["epoch_steps"]
     big = [[LABEL[job], len(JOBS[job]),
             *(size(r["bytes_per_gpu"][s]) for s in ("ddp", "zero1", "fsdp")),
@@ -460,7 +461,7 @@ def costs_markdown(res, cfg):
         "known (activations come on top).", "",
         "### What a token costs (FLOPs of one iteration at real shapes; ✓ = torch's "
         "FlopCounterMode counts the same, its CPU attention kernels mapped to torch's own "
-        "formulas by model.count_flops)", "",
+        "formulas by meter.count_flops)", "",
         table(["job", "phase", "analytic MFLOP", "counted MFLOP", "kFLOP per padded position",
                "kFLOP per real token", "MFLOP per example"], flop), "",
         "Three units, each stated: per padded position of the iteration's batch (DPO's and "
@@ -478,10 +479,10 @@ def costs_markdown(res, cfg):
         table(["job", "ms per iteration", "examples", "ms per example", "real tokens/s",
                "MFU / HFU", "× DPO cached", "phases (ms)"], wall), "",
         "MFU: the FLOPs the real tokens need (6N per trained token, 2N per forward-only one, "
-        "causal attention, the LM head only where a target exists; model.model_flops) per "
+        "causal attention, the LM head only where a target exists; meter.model_flops) per "
         "second, over the device's matmul peak measured at the model's own shapes "
-        "(plumbing.measure_peak_flops). HFU: the FLOPs actually executed (padding, full "
-        "attention, recomputed scores included; model.estimate_flops) over the same peak. "
+        "(meter.measure_peak_flops). HFU: the FLOPs actually executed (padding, full "
+        "attention, recomputed scores included; meter.estimate_flops) over the same peak. "
         "MFU <= HFU <= 1.", "",
         f"The precompute ran π_ref once over the pairs: {gflop('precompute_train')} for the "
         f"train pairs and {gflop('precompute_val')} for the val pairs, counted on its real "
@@ -517,12 +518,47 @@ def costs_markdown(res, cfg):
         "are off every GPU all along."])
 
 
-if __name__ == "__main__":  # torchrun --nproc_per_node=2 costs.py: DDP's and FSDP's state per rank
+@dataclass
+class Config:  # `python -m study.costs`'s one flag; the cost tables are study.compare's
+    results: str = "RESULTS.md"  # its section "fsdp" gets the table ("": none)
+
+
+def rank_state_markdown(res):
+    """rank_state's result as a table: per shard, the analytic bytes per rank, then each rank's."""
+    c = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64)  # rank_state's default
+    body = []
+    for shard, r in res.items():
+        body.append([shard, "analytic (each)", *(f"{v:,.0f}" for v in r["analytic"].values())])
+        body += [[shard, i, *(f"{v:,}" for v in m.values())] for i, m in enumerate(r["ranks"])]
+    head = ["wrap", "rank", *(f"{k} bytes" for k in next(iter(res.values()))["analytic"])]
+    return (f"## What one trained GPT holds on each rank: DDP against FSDP\n\n{table(head, body)}"
+            f"\n\nπ_ref's shape ({c.n_layer} layers × {c.n_embd} wide, block {c.block_size}, "
+            f"{n_params(c)[0]:,} parameters), fp32, after a backward and an AdamW step, wrapped by "
+            "plumbing.wrap as the stages wrap it, on "
+            f"{len(next(iter(res.values()))['ranks'])} ranks. Analytic: state_bytes, which splits "
+            "the whole optimizer state under FSDP, while AdamW's 4-byte step counts stay whole on "
+            "every rank: the little by which FSDP's measured optimizer bytes exceed it.")
+
+
+def main(cfg):
+    """torchrun --nproc_per_node=2 -m study.costs: DDP's and FSDP's state per rank, printed, and
+    on rank 0 the section "fsdp" of --results."""
+    t0 = time.time()
     res = rank_state()
     if int(os.environ.get("RANK", "0")) == 0:
         for shard, r in res.items():
-            print(f"{shard}: analytic per rank " + ", ".join(f"{k} {v:,.0f}" for k, v in
-                                                          r["analytic"].items()) + " bytes")
+            analytic = ", ".join(f"{k} {v:,.0f}" for k, v in r["analytic"].items())
+            print(f"{shard}: analytic per rank {analytic} bytes")
             for i, m in enumerate(r["ranks"]):
                 print(f"  rank {i} measured " + ", ".join(f"{k} {v:,}" for k, v in m.items()))
+        world = len(res["ddp"]["ranks"])
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        cmd = launcher(world) + " ".join(["-m study.costs"] + flags(cfg))
+        if write_section(cfg.results, "fsdp", rank_state_markdown(res), cmd,
+                         time.time() - t0, device, world):
+            print(f"wrote the section fsdp of {cfg.results}")
         print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, doc=__doc__))

@@ -1,8 +1,8 @@
-"""Tuning each method before the frontier: the settings compare.py's defaults come from.
+"""Tuning each method before the frontier: the settings study.compare's defaults come from.
 
-    python tune.py                 # DPO's lr and length, PPO's lr, epochs, batch: 24 min
-    python tune.py --seeds 1337    # one seed: half the time
-    python tune.py --help          # every flag
+    python -m study.tune               # DPO's lr and length, PPO's lr, epochs, batch: 24 min
+    python -m study.tune --seeds 1337  # one seed: half the time
+    python -m study.tune --help        # every flag
 
 Each method is tuned at the frontier setting its learning curve uses (DPO β --beta, PPO with r_φ at
 KL coef --kl_coef), one factor at a time around its current default, every setting once per seed,
@@ -15,7 +15,8 @@ true reward stops rising with budget, and which setting gets there first:
   shorter run, exactly).
 Every policy is scored by the frontier's evaluation (evaluate_policy): true reward and KL on the
 held-out prompts. Writes out/tune/tune.md (the tables, the tuning budget each method was given)
-and tune.csv (one row per run and point: per seed). A run already finished is skipped.
+and tune.csv (one row per run and point: per seed), and replaces the section "tune" of --results
+(RESULTS.md) by the tables. A run already finished is skipped.
 """
 import json
 import os
@@ -23,28 +24,31 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import compare
 import dpo
 import ppo
-from compare import budget_rows, floats, mean_se, pm, seed_list, train_in_chunks
-from costs import table
-from plumbing import (atomic_write_json, atomic_write_text, check, fmt_duration, init_distributed,
-                      main_decides, parse_config, teardown)
+from checkpoint import atomic_write_json
+from plumbing import (atomic_write_text, check, fmt_duration, init_distributed, main_decides,
+                      parse_config, teardown)
+from study import compare
+from study.compare import budget_rows, floats, mean_se, pm, seed_list, train_in_chunks
+from study.costs import table
+from study.results import launcher, write_section
 
 
 @dataclass
 class Config:
     out_dir: str = "out/tune"  # tables, and one folder per run
     seeds: str = "1337,2337"  # every setting once per seed
-    beta: float = 0.3  # DPO's β while tuning (compare.py's --curve_beta)
+    beta: float = 0.3  # DPO's β while tuning (study.compare's --curve_beta)
     dpo_lrs: str = "1e-4,3e-4,1e-3"  # DPO peak learning rates
     dpo_steps: str = "100,200,300"  # DPO run lengths, steps of 64 pairs (the task's epoch: 62)
-    kl_coef: float = 0.1  # PPO's KL coefficient while tuning (compare.py's --curve_kl_coef)
+    kl_coef: float = 0.1  # PPO's KL coefficient while tuning (study.compare's --curve_kl_coef)
     ppo_lrs: str = "3e-5,1e-4,3e-4"  # PPO peak learning rates, at the default epochs and batch
     ppo_epochs: str = "2,4"  # PPO epochs per rollout batch, at the default lr and batch
     rollout_batches: str = "64,128"  # prompts per iteration, at the default lr and epochs
     ppo_rollouts: int = 2560  # every PPO run's budget: rollouts scored by r_φ
     points: int = 8  # evaluations along each PPO run
+    results: str = "RESULTS.md"  # its section "tune" gets the tables ("": none)
 
 
 def runs(cfg):
@@ -136,7 +140,7 @@ def main(cfg):
             if d.is_main:
                 atomic_write_json(done, rec)
             say(f"[{i + 1}/{len(todo)}] {name} done in {fmt_duration(rec['wall_s'])}, "
-                f"tune.py {fmt_duration(time.time() - t0)} so far")
+                f"study.tune {fmt_duration(time.time() - t0)} so far")
         walls[name] = rec["wall_s"]
         rows += [dict(run=name, setting=setting_of(name), seed=c.seed, last=p is rec["points"][-1],
                       **p) for p in rec["points"]]
@@ -144,9 +148,13 @@ def main(cfg):
         compare.write_csv(f"{cfg.out_dir}/tune.csv", rows)
         md = markdown(rows, cfg, walls)
         atomic_write_text(f"{cfg.out_dir}/tune.md", f"# Tuning, measured\n\nProduced by "
-                          f"`python {compare.command(cfg, 'tune.py')}`.\n\n"
+                          f"`python {compare.command(cfg, '-m study.tune')}`.\n\n"
                           f"{md}\n")
-        say(md + f"\nwrote {cfg.out_dir}/tune.md and tune.csv")
+        wrote = write_section(cfg.results, "tune", md,
+                              launcher(d.world) + compare.command(cfg, "-m study.tune"),
+                              time.time() - t0, d.device, d.world)
+        say(md + f"\nwrote {cfg.out_dir}/tune.md and tune.csv"
+            + (f", and the section tune of {cfg.results}" if wrote else ""))
     teardown(d)
 
 

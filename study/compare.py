@@ -1,10 +1,10 @@
 """PPO and DPO side by side: what leaves the cluster when DPO replaces PPO, in measured numbers.
 
-    python compare.py                       # 3 seeds, curves, costs (19 min on 2 CPU cores)
-    torchrun --nproc_per_node=8 compare.py  # the same, every run on 8 ranks (plain DDP)
-    python compare.py --betas 0.03,0.1,0.3,1,3 --kl_coefs 0.01,0.1,1 --seeds 1,1001,2001,3001
-    python compare.py --no-costs            # the frontier only (--no-frontier: the costs only)
-    python compare.py --help                # every flag
+    python -m study.compare                 # 3 seeds, curves, costs (19 min on 2 CPU cores)
+    torchrun --nproc_per_node=8 -m study.compare   # the same, every run on 8 ranks (plain DDP)
+    python -m study.compare --betas 0.03,0.1,0.3,1,3 --kl_coefs 0.01,0.1,1 --seeds 1,1001,2001,3001
+    python -m study.compare --no-costs      # the frontier only (--no-frontier: the costs only)
+    python -m study.compare --help          # every flag
 
 1. The frontier (Figure 2 of Rafailov et al. 2023): DPO at several β, PPO at several KL coefficients
    with r_φ as its reward and, as the paper's PPO-GT, with the hidden true reward; all from the same
@@ -22,22 +22,21 @@
    (responses labelled, for DPO, or scored, for PPO) and against the loop's cumulative FLOPs.
    Writes frontier.csv (one row per run: per seed), curves.csv, frontier.md (+ frontier.png and
    curves.png if matplotlib is installed).
-4. The costs (costs.py) at π_ref's size and extrapolated to 7B: costs.md and costs.json.
-   summary.md collects the tables under the command that made them.
+4. The costs (study/costs.py) at π_ref's size and extrapolated to 7B: costs.md and costs.json.
+   summary.md collects the tables under the command that made them, and the sections "frontier"
+   and "costs" of --results (RESULTS.md) are replaced by them (study/results.py).
 Missing earlier stages (task, sft, reward model, reference cache) are built once, with defaults.
 """
 import csv
 import json
 import math
 import os
-import shlex
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-import costs
 import data
 import dpo
 import online_dpo
@@ -45,12 +44,17 @@ import ppo
 import precompute
 import reward
 import sft
-from costs import table
-from evaluate import evaluate_policy, task_pool_best
+import task
+from checkpoint import (atomic_write_json, checkpoint_state, load_checkpoint, sha256,
+                        tokenizer_beside)
+from plumbing import (atomic_write_text, barrier, check, fmt_duration, init_distributed,
+                      main_decides, parse_config, require_stage, teardown)
+from evaluate import evaluate_policy
 from model import load_model
-from plumbing import (atomic_write_json, atomic_write_text, barrier, check, checkpoint_state,
-                      fmt_duration, init_distributed, load_checkpoint, main_decides, parse_config,
-                      require_stage, sha256, teardown)
+from study import costs
+from study.costs import table
+from study.results import flags, launcher, write_section
+from task import require_task, task_pool_best
 
 
 @dataclass
@@ -64,8 +68,8 @@ class Config:
     kl_coefs: str = "0.03,0.1,0.3"  # PPO runs with r_φ: one per KL coefficient
     true_kl_coefs: str = "0.1"  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
     online_betas: str = ""  # online DPO runs (online_dpo.py, r_φ labels): one per β ("" = none)
-    # task regimes (data.REGIMES), each a frontier of its own: its task beside --task (out/task:
-    # out/task-capped, as data.task_dir), its π_ref (the default's when its texts are), r_φ, cache
+    # task regimes (task.REGIMES), each a frontier of its own: its task beside --task (out/task:
+    # out/task-capped, as task.task_dir), its π_ref (the default's when its texts are), r_φ, cache
     # and runs in out_dir/<regime>
     regimes: str = "default"  # comma-separated, of default, capped, shifted
     # training seeds, each setting once per seed: data order, sampling (π_ref, r_φ, cache shared).
@@ -85,6 +89,11 @@ class Config:
     costs: bool = True  # measure the costs, write costs.*
     rounds: int = 3  # interleaved timing rounds, each: PPO, DPO live, DPO cached, precompute
     time_steps: int = 4  # iterations (PPO) or steps (DPO) per timed run; the first warms up
+    # RESULTS.md: its sections (study/results.py) get this command's tables ("": none)
+    results: str = "RESULTS.md"
+    # the frontier section's name; the learning curves' and the costs' are "curves" and "costs"
+    # beside the default one, else <section>_curves and <section>_costs
+    section: str = "frontier"
 
 
 # -----------------------------------------------------------------------------
@@ -147,13 +156,13 @@ def regimes(cfg):
     own (shifted: the generator differs)."""
     out = []
     for r in [r.strip() for r in cfg.regimes.split(",") if r.strip()]:
-        data.check_regime(r)
+        task.check_regime(r)
         if r == "default":
             out.append(dict(regime=r, prefix="", task=cfg.task, sft=cfg.sft,
                             reward_model=cfg.reward_model, ref_logps=cfg.ref_logps))
             continue
-        task, base = f"{cfg.task.rstrip('/')}-{r}", os.path.join(cfg.out_dir, r)
-        out.append(dict(regime=r, prefix=f"{r}/", task=task, sft=None,
+        folder, base = f"{cfg.task.rstrip('/')}-{r}", os.path.join(cfg.out_dir, r)
+        out.append(dict(regime=r, prefix=f"{r}/", task=folder, sft=None,
                         own_sft=f"{base}/sft/model.safetensors",
                         reward_model=f"{base}/reward/model.safetensors",
                         ref_logps=f"{base}/ref_logps"))
@@ -169,7 +178,7 @@ def build_regime(R, cfg, d, say):
         return
     t = lambda f: os.path.join(R["task"], f)  # noqa: E731
     if d.is_main:
-        data.ensure_task(R["task"], regime=R["regime"], log=say)
+        task.ensure_task(R["task"], regime=R["regime"], log=say)
     barrier(d)
     same_text = sha256(t("sft_train.txt")) == sha256(os.path.join(cfg.task, "sft_train.txt"))
     R["sft"] = cfg.sft if same_text else R["own_sft"]
@@ -232,7 +241,7 @@ def is_curve(cfg, stage, c):
 def evaluate_reference(R, cfg, d):
     """π_ref against a second copy of itself through the same evaluation: the frontier's origin (KL
     0; win rate 1/2 up to sampling error), and every learning curve's step 0."""
-    tok = data.load_tokenizer(precompute.tokenizer_path(R["sft"]))
+    tok = data.load_tokenizer(tokenizer_beside(R["sft"], "--sft"))
     ref, ref2 = load_model(R["sft"], d.device)[0], load_model(R["sft"], d.device)[0]
     path = os.path.join(R["task"], "prompts_eval.jsonl")
     res = evaluate_policy(ref, ref2, tok, data.read_prompts(path), d, k=cfg.eval_k,
@@ -251,7 +260,8 @@ def evaluate_checkpoint(stage, c, d):
     """The policy in c.out_dir/ckpt, by the evaluation the stage itself ends with (the same
     prompts, k and sampling seed), so the curve's last point is the run's eval.json."""
     ref_path = c.ref_model if stage is dpo else c.sft
-    tok = data.load_tokenizer(precompute.tokenizer_path(ref_path))
+    tok = data.load_tokenizer(tokenizer_beside(
+        ref_path, "--ref_model" if stage is dpo else "--sft"))
     policy, ref = load_model(ref_path, d.device)[0], load_model(ref_path, d.device)[0]
     # the checkpoint names the policy "model" in dpo.py, "policy" in ppo.py (beside its critic)
     name = "model" if stage is dpo else "policy"
@@ -424,10 +434,10 @@ def settings(rows):
 
 
 def regime_title(regime, cfg):
-    """'' for a sweep of the default regime alone; else the regime and its rule (data.REGIMES)."""
+    """'' for a sweep of the default regime alone; else the regime and its rule (task.REGIMES)."""
     if cfg.regimes.strip() == "default":
         return ""
-    return f" (regime {regime}: {data.REGIMES[regime]})"
+    return f" (regime {regime}: {task.REGIMES[regime]})"
 
 
 def frontier_markdown(rows, cfg):
@@ -501,8 +511,8 @@ def matched_kl_markdown(rows, cfg):
 
 def curves_markdown(curves, cfg):
     body = [[r["method"], r["step"], f"{r['responses']:,}", f"{r['flops']:.3g}",
-             f"{r['kl']:.3f}", pm(r["true_reward"], r["true_reward_se"]), pm(r["eos_rate"], None,
-                                                                              ".3f"),
+             f"{r['kl']:.3f}", pm(r["true_reward"], r["true_reward_se"]),
+             pm(r["eos_rate"], None, ".3f"),
              pm(r["response_len"], None, ".1f")] for r in curves]
     md = table(["method", "step", "responses", "loop FLOPs", "KL(π‖π_ref) nats", "true reward",
                 "EOS rate", "response tokens"], body)
@@ -516,14 +526,15 @@ def curves_markdown(curves, cfg):
             "preference signal into training: DPO, 2 labelled responses per pair (2 × batch per "
             "step, repeats counted); PPO, 1 rollout scored by r_φ per prompt (rollout batch per "
             "iteration), on top of the labelled pairs r_φ was trained on once before. Loop FLOPs: "
-            "the loop's model FLOPs as it counted them (model.model_flops of its real tokens, "
+            "the loop's model FLOPs as it counted them (meter.model_flops of its real tokens, "
             "padding not counted), cumulative; the one-time precompute (DPO) and r_φ's training "
             "(PPO) are in the cost tables, not here.")
 
 
 def write_tables(rows, curves, cfg):
     """frontier.csv, curves.csv, frontier.md and, if matplotlib is installed, frontier.png and
-    curves.png; returns the markdown."""
+    curves.png; returns the markdown, and its parts for RESULTS.md: {"frontier": the frontier and
+    matched-KL tables, "curves": the learning curves' (if any)}."""
     write_csv(f"{cfg.out_dir}/frontier.csv", rows)
     by_regime = {}
     for r in rows:
@@ -531,9 +542,10 @@ def write_tables(rows, curves, cfg):
     parts = [f(rs, cfg) for rs in by_regime.values()
              for f in (frontier_markdown, matched_kl_markdown)]
     rows = next(iter(by_regime.values()))  # the plot: the first regime's frontier
+    sections = {"frontier": "\n\n".join(parts)}
     if curves:
         write_csv(f"{cfg.out_dir}/curves.csv", curves)
-        parts.append(curves_markdown(curves, cfg))
+        parts.append(sections.setdefault("curves", curves_markdown(curves, cfg)))
     md = "\n\n".join(parts)
     atomic_write_text(f"{cfg.out_dir}/frontier.md", md + "\n")
     try:  # the plots are optional: nothing else needs matplotlib
@@ -541,7 +553,7 @@ def write_tables(rows, curves, cfg):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return md + "\n\n(no frontier.png, curves.png: matplotlib is not installed)"
+        return md + "\n\n(no frontier.png, curves.png: matplotlib is not installed)", sections
     fig, ax = plt.subplots(figsize=(6, 4))
     for method, marker in zip(("π_ref", "DPO", "PPO", "PPO-GT"), "*os^"):
         pts = sorted((mean_se([r["kl"] for r in rs]), mean_se([r["true_reward"] for r in rs]))
@@ -568,16 +580,20 @@ def write_tables(rows, curves, cfg):
         fig.tight_layout()
         fig.savefig(f"{cfg.out_dir}/curves.png", dpi=120)
         plt.close(fig)
-    return md
+    return md, sections
 
 
-def command(cfg, script="compare.py"):
+def command(cfg, script="-m study.compare"):
     """script with the flags that differ from cfg's defaults: the command that reproduces the
     tables."""
-    flag = lambda f, v: (f"--{'' if v else 'no-'}{f.name}" if isinstance(v, bool)  # noqa: E731
-                         else f"--{f.name} {shlex.quote(str(v))}")
-    return " ".join([script] + [flag(f, getattr(cfg, f.name)) for f in fields(cfg)
-                                      if getattr(cfg, f.name) != f.default])
+    return " ".join([script] + flags(cfg))
+
+
+def section_name(cfg, part):
+    """RESULTS.md's section for part ("frontier", "curves" or "costs") of this command's tables."""
+    if part == "frontier" or cfg.section == Config.section:
+        return cfg.section if part == "frontier" else part
+    return f"{cfg.section}_{part}"
 
 
 def main(cfg):
@@ -588,9 +604,9 @@ def main(cfg):
     t0, t = time.time(), lambda f: os.path.join(cfg.task, f)
     Rs = regimes(cfg)
     # the earlier stages, shared by every run: built once, with their defaults, when missing
-    for f in ("pairs_train.jsonl", "pairs_val.jsonl", "prompts_train.jsonl", "prompts_eval.jsonl"):
-        require_stage(t(f), os.path.join(Config.task, f), lambda: sft.build_task(d),
-                      "python data.py", d, say)
+    require_task({t(f): os.path.join(Config.task, f) for f in (
+        "pairs_train.jsonl", "pairs_val.jsonl", "prompts_train.jsonl", "prompts_eval.jsonl")},
+        d, say)
     require_stage(cfg.sft, Config.sft, lambda: (sft.main(sft.Config()), barrier(d)),
                   "python sft.py", d, say)
     require_stage(cfg.reward_model, Config.reward_model,
@@ -602,12 +618,15 @@ def main(cfg):
                       f"{Config.ref_logps}/{split}.safetensors", lambda: precompute.main(pc),
                       precompute.command(pc), d, say)
     os.makedirs(cfg.out_dir, exist_ok=True)
+    sections = {}  # RESULTS.md's: the tables this command made (not an earlier run's in out_dir)
     if cfg.frontier:
         for R in Rs:  # another regime's own task, π_ref, r_φ and cache
             build_regime(R, cfg, d, say)
         rows, curves = frontier(cfg, Rs, d, say)
         if d.is_main:
-            say(write_tables(rows, curves, cfg) + f"\nwrote {cfg.out_dir}/frontier.csv, "
+            md, parts = write_tables(rows, curves, cfg)
+            sections.update(parts)
+            say(md + f"\nwrote {cfg.out_dir}/frontier.csv, "
                 + ("curves.csv " if curves else "") + "and frontier.md")
     if cfg.costs:
         res = costs.costs(cfg, d, say)
@@ -615,16 +634,23 @@ def main(cfg):
             atomic_write_json(f"{cfg.out_dir}/costs.json", res)
             atomic_write_text(f"{cfg.out_dir}/costs.md", costs.costs_markdown(res, cfg) + "\n")
             say(costs.costs_markdown(res, cfg) + f"\nwrote {cfg.out_dir}/costs.md and costs.json")
+            sections["costs"] = costs.costs_markdown(res, cfg)
     if d.is_main:
         parts = [Path(cfg.out_dir, n).read_text() for n in ("frontier.md", "costs.md")
                  if os.path.exists(f"{cfg.out_dir}/{n}")]
-        cmd = (f"torchrun --nproc_per_node={d.world} " if d.world > 1 else "python ") + command(cfg)
+        cmd = launcher(d.world) + command(cfg)
+        wall = time.time() - t0
         atomic_write_text(f"{cfg.out_dir}/summary.md",
                           f"# PPO against DPO, measured\n\nProduced by `{cmd}` in "
-                          f"{fmt_duration(time.time() - t0)} on {d.world} × {d.device} "
+                          f"{fmt_duration(wall)} on {d.world} × {d.device} "
                           f"({torch.get_num_threads()} threads per rank).\n\n"
                           + "\n\n".join(parts))
-        say(f"wrote {cfg.out_dir}/summary.md; compare.py took {fmt_duration(time.time() - t0)}")
+        made = [section_name(cfg, part) for part in sections]
+        for name, body in zip(made, sections.values()):
+            write_section(cfg.results, name, body, cmd, wall, d.device, d.world)
+        say(f"wrote {cfg.out_dir}/summary.md"
+            + (f" and the sections {', '.join(made)} of {cfg.results}" if cfg.results and made
+               else "") + f"; study.compare took {fmt_duration(wall)}")
     teardown(d)
 
 

@@ -1,7 +1,7 @@
 """The one GPU command: what a CPU cannot measure, PPO, live DPO and cached DPO side by side.
 
-    python gpu.py                  # one CUDA GPU, a few minutes: the table, and out/gpu/gpu.json
-    python gpu.py --steps 5        # fewer timed steps
+    python -m study.gpu            # one CUDA GPU, a few minutes: the table, and out/gpu/gpu.json
+    python -m study.gpu --steps 5  # fewer timed steps
 
 A GPT-2-124M-sized π_ref (12 layers, 768 wide, 12 heads; with the task's small vocabulary that is
 85M parameters, nearly all in the blocks), untrained (time and memory do not depend on what the
@@ -12,7 +12,8 @@ ppo.main and dpo.main (--ref live, and the cache after precompute.main), under b
 compiles, logged as time/compile), tokens/s, utilisation against the GPU's measured bf16 matmul
 peak (the loops' mfu), and torch.cuda.max_memory_allocated over each run; beside them what bf16
 must keep close at step 1 (DPO's loss ln 2 and accuracy 0; the gap between the log-probs of PPO's
-bf16 rollout copy and its trainer). On a CPU it says it needs CUDA and exits with status 1.
+bf16 rollout copy and its trainer). The table also replaces the section "gpu" of --results
+(RESULTS.md). On a CPU it says it needs CUDA and exits with status 1.
 """
 import gc
 import json
@@ -21,6 +22,7 @@ import os
 import random
 import shutil
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +31,12 @@ import data
 import dpo
 import ppo
 import precompute
+import task
+from checkpoint import atomic_write_json
 from model import GPT, GPTConfig, save_model
-from plumbing import atomic_write_json, check, fmt_duration, parse_config
+from plumbing import check, fmt_duration, parse_config
+from study.costs import table
+from study.results import flags, write_section
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Config:
     batch_size: int = 64  # DPO pairs and PPO rollouts per step, as the loops' defaults
     micro_batch_size: int = 32  # per forward: one GPU holds it, no accumulation
     compile: bool = True  # torch.compile the trained modules, as a GPU run should
+    results: str = "RESULTS.md"  # its section "gpu" gets the table ("": none)
 
 
 def long_prompts(rows, texts, rng):
@@ -81,11 +88,11 @@ def run(name, main, out_dir, device):
 
 def main(cfg):
     check(torch.cuda.is_available(), "gpu.py needs a CUDA GPU (torch.cuda.is_available() is "
-          "False): nothing measured. The CPU's numbers are compare.py's.")
-    device, o = torch.device("cuda"), cfg.out_dir
+          "False): nothing measured. The CPU's numbers are study.compare's.")
+    device, o, t0 = torch.device("cuda"), cfg.out_dir, time.time()
     t = lambda f: os.path.join(o, "task", f)  # noqa: E731
     if not os.path.exists(t("pairs_train.jsonl")):
-        data.build_task(os.path.join(o, "task"))
+        task.build_task(os.path.join(o, "task"))
     tok = data.load_tokenizer(t("tokenizer.json"))
     rng, texts = random.Random(0), data.read_texts(t("sft_train.txt"))
     pairs = long_prompts(data.read_pairs(t("pairs_train.jsonl"))[:cfg.pairs + 64], texts, rng)
@@ -131,10 +138,20 @@ def main(cfg):
     for r in rows:
         print(f"{r['job']:<18} {r['ms']:>8.1f} {r['tokens_per_sec']:>10,.0f} {r['mfu']:>6.1%} "
               f"{r['peak_bytes'] / 2**30:>9.2f} {fmt_duration(r['compile_s']):>8}   {r['step1']}")
-    print(f"(medians over {rows[1]['steps']} DPO steps of {B} pairs and {rows[0]['steps']} PPO "
-          f"iterations of {B} rollouts, after the first, which compiles; MFU against the measured "
-          "bf16 matmul peak; peak: torch.cuda.max_memory_allocated over each whole run)")
+    note = (f"(medians over {rows[1]['steps']} DPO steps of {B} pairs and {rows[0]['steps']} PPO "
+            f"iterations of {B} rollouts, after the first, which compiles; MFU against the "
+            "measured bf16 matmul peak; peak: torch.cuda.max_memory_allocated over each whole run)")
+    print(note)
     atomic_write_json(os.path.join(o, "gpu.json"), {"config": vars(cfg), "jobs": rows})
+    md = table(["job", "ms/step", "tokens/s", "MFU", "peak GiB", "compile", "step-1 check (bf16)"],
+               [[r["job"], f"{r['ms']:.1f}", f"{r['tokens_per_sec']:,.0f}", f"{r['mfu']:.1%}",
+                 f"{r['peak_bytes'] / 2**30:.2f}", fmt_duration(r["compile_s"]), r["step1"]]
+                for r in rows])
+    about = (f"π_ref {cfg.n_layer} layers × {cfg.n_embd} wide, block {cfg.block}, bf16 autocast, "
+             f"compile {cfg.compile}. {note[1:-1]}.")
+    if write_section(cfg.results, "gpu", f"{md}\n\n{about}",
+                     " ".join(["python -m study.gpu"] + flags(cfg)), time.time() - t0, device):
+        print(f"wrote the section gpu of {cfg.results}")
 
 
 if __name__ == "__main__":

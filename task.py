@@ -1,0 +1,301 @@
+"""The built-in task: a toy copy of the DPO paper's controlled-sentiment experiment, generated from
+a seed, with its hidden true reward.
+
+    python task.py                   # build out/task if it is missing, then show a few pairs
+    python task.py --regime capped   # a regime of the task: default, capped or shifted; here
+                                     # out/task-capped (--out_dir to choose)
+    python task.py --help            # --seed, --out_dir
+
+It writes its preference pairs in the JSONL schema a user brings ({"prompt", "chosen",
+"rejected"}), so every stage reads them through data.py's user path.
+"""
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+
+import data
+from plumbing import atomic_write_text, barrier, require_stage
+
+# The built-in task: a toy copy of the controlled-sentiment experiment of Rafailov et al. 2023,
+# sec. 6.1 (IMDb prefixes, a sentiment classifier as the true reward). A text is a short "review"
+# whose latent sentiment p is drawn once; each sentiment slot is positive with probability p. Every
+# word belongs to one list and the templates differ in their first words, so a text determines every
+# choice that made it, and text_logprob can give its exact probability.
+
+TEMPLATES = ["the {noun} is {adj} .", "the {noun} was {adj} and {adj} .", "i {verb} the {noun} .",
+             "it felt {adj} .", "we saw it on {day} ."]  # chosen uniformly
+NEUTRAL = {"{noun}": ["movie", "plot", "cast", "music", "ending", "story", "acting", "script"],
+           "{day}": ["monday", "tuesday", "friday", "saturday", "sunday"]}
+# The hidden reward's per-word weights: a naive-Bayes sentiment score, as the paper's classifier.
+POSITIVE_ADJ = {"great": 2.0, "superb": 2.0, "lovely": 1.5, "fun": 1.5, "good": 1.0, "nice": 1.0,
+                "fine": 0.5, "decent": 0.5}
+NEGATIVE_ADJ = {"awful": -2.0, "terrible": -2.0, "boring": -1.5, "dull": -1.5, "bad": -1.0,
+                "weak": -1.0, "slow": -0.5, "odd": -0.5}
+POSITIVE_VERB = {"loved": 2.0, "enjoyed": 1.5, "liked": 1.0}
+NEGATIVE_VERB = {"hated": -2.0, "disliked": -1.5, "endured": -1.0}
+SENTIMENT = {"{adj}": (list(POSITIVE_ADJ), list(NEGATIVE_ADJ)),
+             "{verb}": (list(POSITIVE_VERB), list(NEGATIVE_VERB))}
+WEIGHTS = {**POSITIVE_ADJ, **NEGATIVE_ADJ, **POSITIVE_VERB, **NEGATIVE_VERB}
+P_VALUES = (0.1, 0.3, 0.5, 0.7, 0.9)  # the latent sentiment, uniform
+P_STOP = 0.35                         # after each sentence from the 2nd on: memoryless length
+MAX_SENTENCES = 8                     # so every text fits a 64-token context with BOS and EOS
+SIZES = dict(sft_train=20000, sft_val=1000, pairs_train=4000, pairs_val=500,
+             prompts_train=2000, prompts_eval=200)
+
+def _sentence(rng, p):
+    words = []
+    for w in rng.choice(TEMPLATES).split():
+        if w in SENTIMENT:
+            pos, neg = SENTIMENT[w]
+            w = rng.choice(pos if rng.random() < p else neg)
+        elif w in NEUTRAL:
+            w = rng.choice(NEUTRAL[w])
+        words.append(w)
+    return " ".join(words)
+
+def _sentences(rng, p, k):
+    """Sentences k+1, k+2, ... of a text whose first k are written (k = 0: a whole text). At least
+    two in all and at least one more; after each from the 2nd on, stop with probability P_STOP."""
+    out = []
+    while True:
+        out.append(_sentence(rng, p))
+        k += 1
+        if k >= 2 and (k == MAX_SENTENCES or rng.random() < P_STOP):
+            return out
+
+def sample_text(rng, p_values=P_VALUES):
+    return " ".join(_sentences(rng, rng.choice(p_values), 0))
+
+def sample_prompt(rng, p_values=P_VALUES):
+    """An opening of a text: its first one or two sentences. Returns (latent p, sentences,
+    prompt)."""
+    p, k = rng.choice(p_values), rng.choice((1, 2))
+    return p, k, " ".join(_sentence(rng, p) for _ in range(k))
+
+def sample_pair(rng, p_values=P_VALUES, cap=None, redraw=None):
+    """Two continuations of one prompt by the same generator (same latent p), labelled by
+    Bradley-Terry on the hidden reward: chosen is the first with probability sigmoid(r1 - r2).
+    With a cap (the capped regime), a response whose reward exceeds it is redrawn from the `redraw`
+    stream until it does not: rejection sampling, so each response is the generator's, conditioned
+    on reward <= cap (and the two distinct). The prompt and the label's uniform come from `rng`
+    first, so a pair that was under the cap anyway is the uncapped pair, byte for byte."""
+    p, k, prompt = sample_prompt(rng, p_values)
+    a = b = ""
+    while a == b:
+        # responses start with the space
+        a, b = (" " + " ".join(_sentences(rng, p, k)) for _ in range(2))
+    u = rng.random()
+    if cap is not None:
+        while true_reward(prompt, a) > cap:
+            a = " " + " ".join(_sentences(redraw, p, k))
+        while true_reward(prompt, b) > cap or b == a:
+            b = " " + " ".join(_sentences(redraw, p, k))
+    if u >= 1 / (1 + math.exp(true_reward(prompt, b) - true_reward(prompt, a))):
+        a, b = b, a
+    return dict(prompt=prompt, chosen=a, rejected=b)
+
+def true_reward(prompt, response):
+    """The hidden reward: the sum of the response's word weights (unknown words and junk score 0).
+    Labels the pairs and scores evaluations; DPO never calls it. The prompt does not count: for one
+    prompt it would shift every completion's reward by the same amount."""
+    return float(sum(WEIGHTS.get(w, 0.0) for w in re.findall(r"[a-z]+", response.lower())))
+
+def _fits(word, slot):
+    if slot in NEUTRAL:
+        return word in NEUTRAL[slot]
+    if slot in SENTIMENT:
+        return word in SENTIMENT[slot][0] or word in SENTIMENT[slot][1]
+    return word == slot
+
+def text_logprob(text, p_values=P_VALUES):
+    """Exact log P(text) under the generator, marginal over the latent p (uniform over p_values):
+    log sum_p P(p) * prod_slots P(word | p) * P(templates) * P(length); -inf off the language."""
+    words, sentences = text.split(" "), []
+    while words and "." in words:
+        i = words.index(".") + 1
+        sentences.append(words[:i])
+        words = words[i:]
+    n = len(sentences)
+    if words or not 2 <= n <= MAX_SENTENCES:
+        return -math.inf
+    logq = (n - 2) * math.log(1 - P_STOP) + (math.log(P_STOP) if n < MAX_SENTENCES else 0.0)
+    n_pos = n_neg = 0
+    for s in sentences:
+        tpl = next((t for t in map(str.split, TEMPLATES)
+                    if len(t) == len(s) and all(map(_fits, s, t))), None)
+        if tpl is None:
+            return -math.inf
+        logq -= math.log(len(TEMPLATES))
+        for w, slot in zip(s, tpl):
+            if slot in NEUTRAL:
+                logq -= math.log(len(NEUTRAL[slot]))
+            elif slot in SENTIMENT:
+                pos, neg = SENTIMENT[slot]
+                n_pos, n_neg = n_pos + (w in pos), n_neg + (w in neg)
+                logq -= math.log(len(pos) if w in pos else len(neg))
+    lp = [n_pos * math.log(p) + n_neg * math.log(1 - p) for p in p_values]
+    m = max(lp)
+    return logq + m + math.log(sum(math.exp(x - m) for x in lp) / len(p_values))
+
+# Regimes of the task: one language and one hidden reward, three ways to draw the data.
+# The default pairs come from the generator π_ref imitates, so offline pairs are on-distribution and
+# show every behaviour; each other regime takes away one thing that online sampling may buy back.
+# A regime's task lives in its own folder (task_dir: out/task-capped, out/task-shifted) with the
+# same files, and the stages read it through their path flags, e.g. for capped, whose π_ref is the
+# default's: python reward.py --out_dir out/capped/reward --train_pairs
+# out/task-capped/pairs_train.jsonl --val_pairs out/task-capped/pairs_val.jsonl, and likewise
+# precompute.py, dpo.py and online_dpo.py; shifted needs its own sft.py run first.
+REGIMES = {
+    "default": "pairs drawn from the generator pi_ref imitates: on-distribution, every behaviour",
+    "capped": "the pair pool holds no response whose true reward exceeds the cap; the texts, the "
+              "prompts and so pi_ref are the default's",
+    "shifted": "the generator's latent sentiment is mostly negative (p in SHIFTED_P_VALUES): "
+               "pi_ref's mode sits away from high reward, the pairs drawn from that same generator",
+}
+# The median true reward of the generator's responses: 0, since the reward's distribution is
+# symmetric about 0 (P_VALUES and the word weights are) and has an atom there (neutral responses).
+CAP = 0.0
+SHIFTED_P_VALUES = (0.1, 0.2, 0.3)  # uniform: 4 sentiment words in 5 are negative, not 1 in 2
+
+def task_dir(regime):
+    """Where a regime's task lives by default: out/task, out/task-capped, out/task-shifted."""
+    return "out/task" if regime == "default" else f"out/task-{regime}"
+
+def check_regime(regime):
+    if regime not in REGIMES:
+        raise SystemExit(f"error: --regime {regime!r} is not a regime of the task: choose one of "
+                         f"{', '.join(REGIMES)}")
+
+def pool_best(rows):
+    """The best behaviour a pair pool shows: the highest true reward of any of its responses (rows
+    {"prompt","chosen","rejected"}). One number for the pool, not one per prompt: the hidden reward
+    ignores the prompt, and held-out prompts are not in the pool."""
+    return max(true_reward(r["prompt"], r[k]) for r in rows for k in ("chosen", "rejected"))
+
+def fraction_beyond(rewards, best):
+    """The share of completions (their true rewards) beyond the pool's best: behaviour the pairs
+    never showed, which only exploration, or extrapolation, can reach."""
+    return sum(r > best for r in rewards) / len(rewards)
+
+def build_task(out_dir="out/task", seed=0, regime="default"):
+    """Generate the task into a temporary folder beside out_dir, then rename it into place."""
+    check_regime(regime)
+    out_dir = out_dir.rstrip("/")
+    tmp = f"{out_dir}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    # a stream per file: resizing one changes no other
+    rng = lambda name: random.Random(f"{seed}/{name}")  # noqa: E731
+    p_values = SHIFTED_P_VALUES if regime == "shifted" else P_VALUES
+    cap = CAP if regime == "capped" else None
+    files = {}
+    for name in ("sft_train", "sft_val"):
+        r = rng(name)
+        files[name] = [sample_text(r, p_values) for _ in range(SIZES[name])]
+    for name in ("pairs_train", "pairs_val"):
+        r, redraw = rng(name), rng(f"{name}/capped")
+        files[name] = [sample_pair(r, p_values, cap, redraw) for _ in range(SIZES[name])]
+    for name in ("prompts_train", "prompts_eval"):
+        r = rng(name)
+        files[name] = [dict(prompt=sample_prompt(r, p_values)[2]) for _ in range(SIZES[name])]
+    for name, rows in files.items():
+        lines = rows if name.startswith("sft") else [json.dumps(row) for row in rows]
+        ext = "txt" if name.startswith("sft") else "jsonl"
+        atomic_write_text(os.path.join(tmp, f"{name}.{ext}"),
+                          "".join(line + "\n" for line in lines))
+    tok = data.train_tokenizer(files["sft_train"], vocab_size=512)
+    data.save_tokenizer(tok, os.path.join(tmp, "tokenizer.json"))
+    # The loss a perfect SFT model reaches on sft_val: tokenization is deterministic, so the
+    # generator's log P(text) is the model's best sum of token log-probs; predicted tokens are the
+    # text's and the EOS.
+    n_tok = [len(tok.encode(t)) + 1 for t in files["sft_val"]]
+    floor = -sum(text_logprob(t, p_values) for t in files["sft_val"]) / sum(n_tok)
+    longest = lambda strings: max(  # noqa: E731
+        len(e.ids) for e in tok.tk.encode_batch(strings, add_special_tokens=False))
+    pairs = files["pairs_train"] + files["pairs_val"]
+    meta = dict(seed=seed, counts={k: len(v) for k, v in files.items()},
+                vocab_size=tok.vocab_size,
+                floor_nats_per_token=floor,
+                # with BOS/EOS, as the stages count: sizes for max_len and block_size
+                max_tokens=dict(
+                    sft_text=longest(files["sft_train"] + files["sft_val"]) + 2,
+                    prompt=longest([r["prompt"] for r in pairs]) + 1,
+                    response=longest([r[k] for r in pairs for k in ("chosen", "rejected")]) + 1),
+                regime=regime, regime_rule=REGIMES[regime], p_values=list(p_values), cap=cap,
+                pool_best=pool_best(files["pairs_train"]))
+    atomic_write_text(os.path.join(tmp, "task.json"), json.dumps(meta, indent=2) + "\n")
+    old = f"{tmp}.old"
+    if os.path.exists(out_dir):
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def ensure_task(out_dir="out/task", seed=0, log=print, regime="default"):
+    """Build the task unless out_dir already holds it (for this seed and regime). Returns
+    out_dir."""
+    check_regime(regime)
+    meta = os.path.join(out_dir, "task.json")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            found = json.load(f)
+        # a task built before regimes were: the default
+        found = (found["seed"], found.get("regime", "default"))
+        if found != (seed, regime):
+            raise ValueError(f"{out_dir} holds the task for seed {found[0]} and regime "
+                             f"{found[1]}, not seed {seed} and regime {regime}: remove it or "
+                             f"pick another folder")
+        return out_dir
+    t0 = time.time()
+    build_task(out_dir, seed, regime)
+    log(f"built the task in {out_dir} (seed {seed}, regime {regime}, {time.time() - t0:.1f} s)")
+    return out_dir
+
+
+def require_task(paths, d, log):
+    """plumbing.require_stage for inputs the built-in task writes: paths {path: its default}. With
+    a default path, a missing file builds the whole task (rank 0 writes it, the others wait)."""
+    def build():
+        if d.is_main:
+            ensure_task()
+        barrier(d)
+    for path, default in paths.items():
+        require_stage(path, default, build, "python task.py", d, log)
+
+
+def task_prompts(prompts):
+    """True when the task's generator can write every prompt (whole sentences of its language):
+    only there does its hidden true reward mean anything. A prompt of 1 to 4 sentences, doubled,
+    is a text of 2 to 8, which text_logprob gives a finite log-probability."""
+    return all(math.isfinite(text_logprob(f"{p} {p}")) for p in set(prompts))
+
+
+def task_pool_best(prompts_path):
+    """The best behaviour the task's pair pool shows (pool_best of pairs_train.jsonl beside
+    task.json), when prompts_path is in a built-in task's folder; else None."""
+    folder = os.path.dirname(prompts_path)
+    if not os.path.exists(os.path.join(folder, "task.json")):
+        return None
+    return pool_best(data.read_pairs(os.path.join(folder, "pairs_train.jsonl")))
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--regime", default="default",
+                    help=f"one of {', '.join(REGIMES)} (default: default)")
+    ap.add_argument("--seed", type=int, default=0, help="the task's seed (default: 0)")
+    ap.add_argument("--out_dir", default="", help="default: out/task, or out/task-<regime>")
+    a = ap.parse_args()
+    folder = ensure_task(a.out_dir or task_dir(a.regime), a.seed, regime=a.regime)
+    with open(os.path.join(folder, "task.json")) as f:
+        print(f.read())
+    for row in data.read_pairs(os.path.join(folder, "pairs_train.jsonl"))[:4]:
+        rc, rr = (true_reward(row["prompt"], row[k]) for k in ("chosen", "rejected"))
+        print(f"{row['prompt']!r}\n  chosen   {rc:+.1f} {row['chosen']!r}\n"
+              f"  rejected {rr:+.1f} {row['rejected']!r}")

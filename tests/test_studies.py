@@ -1,0 +1,326 @@
+"""The studies' tests (study/: compare, costs, tune, gpu), moved out of test_all.py: the statistics
+over seeds, the cost model against measured tensors and counted FLOPs, the tuning grid, a tiny
+sweep end to end (and resumed under torchrun), the per-rank bytes under DDP and FSDP, the GPU
+command on a CPU, RESULTS.md's sections and the KV-cache benchmark. The fixtures and
+helpers they need are test_all.py's.
+
+    pytest tests/test_studies.py
+"""
+import csv
+import json
+import math
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+import dpo
+import ppo
+import precompute
+from model import GPT, GPTConfig
+from plumbing import init_distributed
+from study import compare, costs, gpu, results, tune
+from test_all import dpo_cfg, dpo_weights, run_torchrun  # its fixtures come through conftest.py
+
+# ==================================================================================================
+# study/compare.py, study/tune.py
+# ==================================================================================================
+
+def test_compare_regimes_paths_and_a_bad_regime(tmp_path):
+    cfg = compare.Config(out_dir=str(tmp_path / "cmp"), task=str(tmp_path / "task"),
+                         regimes="default,capped")
+    d, c = compare.regimes(cfg)
+    assert (d["task"], d["sft"], d["prefix"]) == (cfg.task, cfg.sft, "")
+    assert c["task"] == f"{cfg.task}-capped" and c["prefix"] == "capped/"
+    assert c["reward_model"] == f"{cfg.out_dir}/capped/reward/model.safetensors"
+    with pytest.raises(SystemExit, match="not a regime"):
+        compare.regimes(replace(cfg, regimes="default,greedy"))
+    with pytest.raises(SystemExit, match="distinct"):
+        compare.regimes(replace(cfg, regimes="capped,capped"))
+
+
+def test_tune_varies_one_factor_at_a_time_at_one_budget_in_rollouts(tmp_path):
+    """tune.py's PPO grid: each run differs from ppo.py's defaults in its one tuned field (the
+    default setting once, not once per factor), and every run scores the same number of rollouts;
+    DPO's grid is lr × length at one β."""
+    cfg = tune.Config(out_dir=str(tmp_path), seeds="1,2", ppo_lrs="3e-5,1e-4",
+                      ppo_epochs="2,4", rollout_batches="64,128", ppo_rollouts=1280)
+    runs = tune.runs(cfg)
+    base, tuned = ppo.Config(), ("lr", "ppo_epochs", "rollout_batch")
+    ppos = [c for _, stage, c in runs if stage is ppo]
+    moved = sorted(tuple(f for f in tuned if getattr(c, f) != getattr(base, f)) for c in ppos)
+    assert base.lr == 1e-4 and base.ppo_epochs == 4 and base.rollout_batch == 64
+    assert moved == [(), (), ("lr",), ("lr",), ("ppo_epochs",), ("ppo_epochs",),
+                     ("rollout_batch",), ("rollout_batch",)]
+    assert all(c.iterations * c.rollout_batch == 1280 and c.kl_coef == cfg.kl_coef for c in ppos)
+    dpos = [c for _, stage, c in runs if stage is dpo]
+    assert sorted((c.lr, c.steps, c.seed) for c in dpos) == sorted(
+        (lr, n, s) for lr in (1e-4, 3e-4, 1e-3) for n in (100, 200, 300) for s in (1, 2))
+    assert all(c.beta == cfg.beta for c in dpos)
+    names = [name for name, _, c in runs]
+    assert len(set(names)) == len(names) and all(
+        c.out_dir == f"{tmp_path}/{name}" for name, _, c in runs)
+    with pytest.raises(SystemExit, match="not a multiple of rollout batch 128"):
+        tune.runs(replace(cfg, ppo_rollouts=1216))
+
+
+def test_mean_and_standard_error_across_seeds_by_hand():
+    m, se = compare.mean_se([1.0, 2.0, 3.0, 6.0])
+    # mean 3; sample variance (4 + 1 + 0 + 9) / 3 = 14/3; s.e. = √(14/3 / 4) = √(7/6)
+    assert m == 3.0 and se == pytest.approx(math.sqrt(7 / 6), rel=1e-12)
+    assert compare.mean_se([0.5])[0] == 0.5 and math.isnan(compare.mean_se([0.5])[1])
+    assert compare.mean_se([1.0, None]) == (None, None)  # an eval.json without the field
+
+
+def test_matched_kl_interpolation_by_hand():
+    # settings of one method, each a list of its seeds' (kl, reward); given out of KL order
+    c = [(5.0, 1.0), (5.0, 1.0)]  # mean (5, 1), no spread
+    a = [(1.0, 0.0), (1.0, 1.0)]  # mean (1, 0.5); the reward alone spreads
+    b = [(2.5, 2.0), (3.5, 2.0)]  # mean (3, 2); the KL alone spreads
+    curve = [c, a, b]
+    # x = 2: halfway from a to b, 0.5 + 0.5·1.5 = 1.25; slope 0.75. reward − 0.75·kl per seed: a
+    # (-0.75, 0.25), s.e. |difference|/2 = 0.5; b (0.125, -0.625), s.e. 0.375. se² = 0.5²·0.5² +
+    # 0.5²·0.375² = 0.09765625 = 0.3125²
+    y, se = compare.at_kl(curve, 2.0)
+    assert y == pytest.approx(1.25, abs=1e-12) and se == pytest.approx(0.3125, abs=1e-12)
+    # x = 4: halfway from b to c, 1.5; slope -0.5: b's 2 + 0.5·kl = (3.25, 3.75), s.e. 0.25; c none
+    y, se = compare.at_kl(curve, 4.0)
+    assert y == pytest.approx(1.5, abs=1e-12) and se == pytest.approx(0.5 * 0.25, abs=1e-12)
+    assert compare.at_kl(curve, 1.0)[0] == pytest.approx(0.5, abs=1e-12)  # the range's own ends
+    assert compare.at_kl(curve, 5.0)[0] == pytest.approx(1.0, abs=1e-12)
+    for x in (0.99, 5.01, 0.0):  # outside the measured range of mean KL [1, 5]: no number
+        assert compare.at_kl(curve, x) is None
+    assert compare.at_kl([a], 1.0) is None  # one setting: no curve to read
+
+
+def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval(  # noqa: F811
+        tiny, dpo_cache):
+    d = init_distributed()
+    c = dpo_cfg(tiny, "curve-chunks", steps=4, eval_k=2)
+    points = compare.train_in_chunks(dpo, c, 2, d, resume=False)
+    assert [p["step"] for p in points] == [2, 4]
+    with open(tiny.root / "curve-chunks" / "eval.json") as f:
+        ev = json.load(f)
+    # the last point is the run's own final evaluation: the same policy, prompts, k and seed
+    assert ({k: ev[k] for k in points[-1] if k != "step"}
+            == {k: v for k, v in points[-1].items() if k != "step"})
+    assert points[0]["kl"] != points[1]["kl"]  # the first point saw the policy halfway
+    dpo.main(dpo_cfg(tiny, "curve-whole", steps=4, eval_k=2))
+    a, b = dpo_weights(tiny.root / "curve-chunks"), dpo_weights(tiny.root / "curve-whole")
+    # chunks and evaluations change nothing: bit for bit
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # killed after the last chunk's checkpoint, before its evaluations: resuming trains nothing more
+    # and writes the run's eval.json and the last point again
+    out = tiny.root / "curve-chunks"
+    os.remove(out / "eval.json")
+    (out / "curve.json").write_text(json.dumps(points[:1]))
+    assert compare.train_in_chunks(dpo, c, 2, d, resume=True) == points
+    assert json.loads((out / "eval.json").read_text()) == ev
+
+
+def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
+    root = tiny.root / "compare-test"
+    task = root / "task"  # a slice of the task, so every run takes a second or two
+    os.makedirs(task)
+    for name, n in (("pairs_train.jsonl", 256), ("pairs_val.jsonl", 64),
+                    ("prompts_train.jsonl", 256), ("prompts_eval.jsonl", 16)):
+        (task / name).write_text("".join(open(f"{tiny.task}/{name}").readlines()[:n]))
+    sft_file = f"{tiny.sft}/model.safetensors"
+    precompute.main(precompute.Config(out_dir=str(root / "ref_logps"), ref_model=sft_file,
+                                      train_pairs=str(task / "pairs_train.jsonl"),
+                                      val_pairs=str(task / "pairs_val.jsonl")))
+    cfg = compare.Config(out_dir=str(root / "out"), task=str(task), sft=sft_file,
+                         reward_model=sft_file, ref_logps=str(root / "ref_logps"), betas="0.1",
+                         kl_coefs="0.05", true_kl_coefs="",
+                         seeds="1,1001", dpo_steps=2, ppo_iterations=2, eval_k=1, curve_beta=0.1,
+                         curve_kl_coef=0.05, curve_points=2, match_kls="0.001", rounds=1,
+                         time_steps=2, results=str(root / "RESULTS.md"))
+    compare.main(cfg)
+    with open(root / "out" / "frontier.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["run"], r["method"], r["seed"]) for r in rows] == [
+        ("ref", "π_ref", ""), ("dpo-beta0.1-seed1", "DPO", "1"),
+        ("dpo-beta0.1-seed1001", "DPO", "1001"),
+        ("ppo-kl0.05-seed1", "PPO", "1"), ("ppo-kl0.05-seed1001", "PPO", "1001")]
+    assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows
+                                               for k in ("kl", "true_reward", "win_rate"))
+    # the seeds trained differently
+    assert rows[1]["kl"] != rows[2]["kl"] and rows[3]["kl"] != rows[4]["kl"]
+    md = (root / "out" / "frontier.md").read_text()
+    # each setting's row: the mean over its two seeds ± the standard error across them
+    for i in (1, 3):
+        m, se = compare.mean_se([float(rows[j]["true_reward"]) for j in (i, i + 1)])
+        assert f"{m:+.3f} ± {se:.3f}" in md
+    # each curve: step 0 is π_ref, its last point the first seed's eval.json (ppo.py's and dpo.py's)
+    with open(root / "out" / "curves.csv") as f:
+        curves = list(csv.DictReader(f))
+    for run, row in (("dpo-beta0.1-seed1", rows[1]), ("ppo-kl0.05-seed1", rows[3])):
+        c = [r for r in curves if r["run"] == run]
+        assert [int(r["step"]) for r in c] == [0, 1, 2] and float(c[0]["kl"]) == 0.0
+        assert c[-1]["kl"] == row["kl"] and c[-1]["true_reward"] == row["true_reward"]
+        assert float(c[0]["flops"]) == 0 < float(c[1]["flops"]) < float(c[2]["flops"])
+    # 2 x 64 pairs; 64 rollouts
+    assert [int(r["responses"]) for r in curves] == [0, 128, 256, 0, 64, 128]
+    with open(root / "out" / "costs.json") as f:
+        res = json.load(f)
+    for job in costs.JOBS:
+        r = res["jobs"][job]
+        assert (r["bytes_analytic"] == r["bytes_measured"]
+                and r["flops_analytic"] == r["flops_counted"]), job
+    assert res["jobs"]["ppo"]["bytes_analytic"]["total"] \
+        > res["jobs"]["dpo_live"]["bytes_analytic"]["total"] \
+        > res["jobs"]["dpo_cache"]["bytes_analytic"]["total"]
+    summary = (root / "out" / "summary.md").read_text()
+    assert ("python -m study.compare --out_dir" in summary and "frontier" in summary
+            and "7B" in summary)
+    # RESULTS.md: one section per table, each under the command that made it
+    written = (root / "RESULTS.md").read_text()
+    for name in ("frontier", "curves", "costs"):
+        section = written.split(f"<!-- begin {name} -->\n")[1].split(f"<!-- end {name} -->")[0]
+        assert section.startswith("- Command: `python -m study.compare --out_dir "), name
+    assert "#### The frontier" in written and "#### Learning curves" in written and "7B" in written
+    costs_before = written.split("<!-- begin costs -->")[1]
+    # resumed on two ranks with one more β: the five finished runs are skipped, only β 0.3 trains
+    args = [a for k, v in vars(replace(cfg, betas="0.1,0.3")).items() if not isinstance(v, bool)
+            for a in (f"--{k}", str(v))]
+    p = run_torchrun("-m study.compare", args + ["--no-costs"])
+    assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 5
+    assert "[4/7] dpo-beta0.3-seed1: dpo.main" in p.stdout
+    with open(root / "out" / "frontier.csv") as f:
+        assert [r["run"] for r in csv.DictReader(f)] == [
+            "ref", "dpo-beta0.1-seed1", "dpo-beta0.1-seed1001", "dpo-beta0.3-seed1",
+            "dpo-beta0.3-seed1001", "ppo-kl0.05-seed1", "ppo-kl0.05-seed1001"]
+    # the frontier's and the curves' sections rewritten by the torchrun command, the costs' kept
+    written = (root / "RESULTS.md").read_text()
+    assert written.count("<!-- begin frontier -->") == written.count("<!-- end costs -->") == 1
+    assert "- Command: `torchrun --nproc_per_node=2 -m study.compare --out_dir " in written
+    assert "| DPO | 0.3 | 2 |" in written.split("<!-- begin frontier -->")[1].split(
+        "<!-- end frontier -->")[0]
+    assert written.split("<!-- begin costs -->")[1] == costs_before
+
+
+# ==================================================================================================
+# study/costs.py
+# ==================================================================================================
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_analytic_bytes_match_the_tensors(bias):
+    for head in ("lm", "scalar"):
+        c = GPTConfig(block_size=24, vocab_size=40, n_layer=2, n_head=2, n_embd=16, bias=bias,
+                      head=head)
+        torch.manual_seed(0)
+        m = GPT(c)
+        ps = list(m.parameters())  # a tied lm_head is wte: once
+        assert costs.n_params(c) == (sum(p.numel() for p in ps), len(ps))
+        w = sum(p.nbytes for p in ps)
+        assert costs.state_bytes(c, False) == {"weights": w, "grads": 0, "optimizer": 0, "total": w}
+        opt = torch.optim.AdamW(ps)
+        m(torch.randint(0, 40, (2, 10))).float().pow(2).mean().backward()
+        opt.step()  # AdamW allocates m, v and a step count per tensor
+        got = {"weights": w, "grads": sum(p.grad.nbytes for p in ps),
+               "optimizer": sum(t.nbytes for s in opt.state.values() for t in s.values())}
+        assert costs.state_bytes(c, True) == {**got, "total": sum(got.values())}
+        assert (costs.state_bytes(c, False, w=2)["weights"]
+                == sum(p.nbytes for p in GPT(c).to(torch.bfloat16).parameters()))
+    # mixed precision: 2 + 2 + 12 bytes per trained parameter (+ 4 per tensor), the
+    # optimizer's share split by ZeRO-1
+    big = GPTConfig(block_size=512, vocab_size=32000, n_layer=32, n_head=32, n_embd=4096,
+                    bias=False)
+    P, n = costs.n_params(big)
+    assert 6.5e9 < P < 6.7e9
+    assert costs.state_bytes(big, True, w=2)["total"] == 16 * P + 4 * n
+    assert (costs.state_bytes(big, True, w=2, world=8, shard="zero1")["total"]
+            == 4 * P + (12 * P + 4 * n) / 8)
+    assert costs.state_bytes(big, False, w=2, world=8, shard="fsdp")["total"] == 2 * P / 8
+
+
+def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F811
+    # r_φ and the critic: π_ref's trunk with a fresh scalar head (load_model's head=), enough to
+    # count their work
+    sft_file = f"{tiny.sft}/model.safetensors"
+    cfg = compare.Config(task=tiny.task, sft=sft_file, reward_model=sft_file)
+    c, flops, shapes, units, models = costs.measure_small(cfg, init_distributed(), B=8)
+    for job in costs.JOBS:
+        # exact: the same counting rules
+        assert costs.iteration_flops(c, job, **shapes[job]) == flops[job], job
+    # the rollout sampled several tokens (KV-cache steps counted)
+    assert shapes["ppo"]["T"] > shapes["ppo"]["P"] + 1
+    # online DPO's round: KV-cache steps sampled, and every phase did work (a dropped term shows)
+    assert shapes["online_dpo"]["L"] > shapes["online_dpo"]["P"] + 1
+    assert all(v > 0 for v in flops["online_dpo"].values())
+    for job in costs.JOBS:
+        for name, head, trains in costs.JOBS[job]:
+            measured, w = models[name]
+            assert costs.state_bytes(replace(c, head=head), trains, w=w) == measured, (job, name)
+
+
+def test_rank_state_ddp_against_fsdp_on_two_gloo_ranks(tmp_path):
+    """`torchrun --nproc_per_node=2 -m study.costs`: costs.rank_state's bytes each rank holds (the
+    assertions of test_all.py's test_fsdp_plumbing_on_two_gloo_ranks on it), and its table in the
+    section "fsdp" of --results."""
+    p = run_torchrun("-m study.costs", ["--results", str(tmp_path / "RESULTS.md")])
+    res = json.loads(p.stdout.strip().splitlines()[-1])  # its last line: rank_state's result
+    # costs.rank_state, the bytes each rank holds, measured: FSDP's two ranks hold together exactly
+    # DDP's one copy of weights, grads and Adam's moments, half each (π_ref's rows divide by 2),
+    # plus AdamW's step counts, whole on every rank
+    ddp, fsdp = res["ddp"]["ranks"], res["fsdp"]["ranks"]
+    n = costs.n_params(GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64))[1]
+    assert ddp[0] == ddp[1] == {k: int(v) for k, v in res["ddp"]["analytic"].items()}
+    for k in ("weights", "grads"):
+        assert fsdp[0][k] == fsdp[1][k] == ddp[0][k] / 2 == res["fsdp"]["analytic"][k], k
+    assert fsdp[0]["optimizer"] == fsdp[1]["optimizer"] == (ddp[0]["optimizer"] - 4 * n) / 2 + 4 * n
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert text.startswith("<!-- begin fsdp -->\n- Command: `torchrun --nproc_per_node=2 -m "
+                           "study.costs --results ")
+    assert f"| fsdp | 1 | {fsdp[1]['weights']:,} | {fsdp[1]['grads']:,} |" in text
+
+
+# ==================================================================================================
+# study/gpu.py
+# ==================================================================================================
+
+def test_gpu_command_on_a_cpu_says_it_needs_cuda(tmp_path):
+    with pytest.raises(SystemExit, match="^error: gpu.py needs a CUDA GPU"):
+        gpu.main(gpu.Config(out_dir=str(tmp_path / "gpu")))
+    assert not os.path.exists(tmp_path / "gpu")  # nothing was written
+
+
+# ==================================================================================================
+# study/results.py (new with the move: RESULTS.md's sections)
+# ==================================================================================================
+
+def test_results_section_replaced_in_place_appended_when_new_and_bad_markers_refused(tmp_path):
+    path = str(tmp_path / "RESULTS.md")
+    results.write_section(path, "a", "## Table\n\n| x |\n|---|\n| 1 |", "python -m study.x", 61,
+                          "cpu")
+    first = open(path).read()
+    assert first.startswith("<!-- begin a -->\n- Command: `python -m study.x`\n- Date: ")
+    assert "- Wall time: 1m01s\n" in first and f"torch {torch.__version__}" in first
+    assert first.endswith("\n#### Table\n\n| x |\n|---|\n| 1 |\n<!-- end a -->\n")
+    with open(path, "w") as f:  # text a person wrote around the section stays as it is
+        f.write("# Results\n\nby hand\n\n" + first + "\nafter\n")
+    results.write_section(path, "a", "| x |\n|---|\n| 2 |", "python -m study.x", 1, "cpu")
+    results.write_section(path, "b", "| y |", "python -m study.y", 1, "cpu", world=2)
+    text = open(path).read()
+    assert text.startswith("# Results\n\nby hand\n\n<!-- begin a -->\n")
+    assert "| 2 |\n<!-- end a -->\n\nafter\n\n<!-- begin b -->\n" in text and "| 1 |" not in text
+    assert text.endswith("| y |\n<!-- end b -->\n") and "2 × cpu" in text
+    assert not results.write_section("", "a", "| z |", "c", 1, "cpu")  # --results "": nothing
+    with open(path, "a") as f:
+        f.write("<!-- begin a -->\n")
+    with pytest.raises(SystemExit, match="nothing was written"):
+        results.write_section(path, "a", "| z |", "c", 1, "cpu")
+
+
+# ==================================================================================================
+# study/kv_cache.py
+# ==================================================================================================
+
+def test_kv_cache_benchmark_checks_its_tokens_and_writes_its_line(tmp_path):
+    from study import kv_cache
+    kv_cache.main(kv_cache.Config(results=str(tmp_path / "RESULTS.md")))
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert text.startswith("<!-- begin kv_cache -->\n- Command: `python -m study.kv_cache")
+    assert "64 new tokens, batch 16, prompt 16," in text and "faster with the cache" in text
+
