@@ -1,7 +1,7 @@
 """The studies' tests (study/: compare, costs, tune, gpu), moved out of test_all.py: the statistics
 over seeds, the cost model against measured tensors and counted FLOPs, the tuning grid, a tiny
 sweep end to end (and resumed under torchrun), the per-rank bytes under DDP and FSDP, the GPU
-command on a CPU, RESULTS.md's sections and the KV-cache benchmark. The fixtures and
+command on a CPU, RESULTS.md's sections, the KV-cache benchmark and the figure. The fixtures and
 helpers they need are test_all.py's.
 
     pytest tests/test_studies.py
@@ -10,6 +10,7 @@ import csv
 import json
 import math
 import os
+import sys
 from dataclasses import replace
 
 import pytest
@@ -20,7 +21,7 @@ import ppo
 import precompute
 from model import GPT, GPTConfig
 from plumbing import init_distributed
-from study import compare, costs, gpu, results, tune
+from study import compare, costs, figure, gpu, results, tune
 from test_all import dpo_cfg, dpo_weights, run_torchrun  # its fixtures come through conftest.py
 
 # ==================================================================================================
@@ -324,3 +325,44 @@ def test_kv_cache_benchmark_checks_its_tokens_and_writes_its_line(tmp_path):
     assert text.startswith("<!-- begin kv_cache -->\n- Command: `python -m study.kv_cache")
     assert "64 new tokens, batch 16, prompt 16," in text and "faster with the cache" in text
 
+
+# ==================================================================================================
+# study/figure.py
+# ==================================================================================================
+
+def test_upper_envelope_by_hand():
+    # (1, 2) and (2, 2.5) are on top; (1.5, 1) lies below the chord; (3, 1) is right of the top
+    pts = [(0.0, 0.0), (1.5, 1.0), (1.0, 2.0), (3.0, 1.0), (2.0, 2.5)]
+    assert figure.upper_envelope(pts) == [(0.0, 0.0), (1.0, 2.0), (2.0, 2.5)]
+    # a point on the chord is not a corner; a point just above it is
+    assert figure.upper_envelope([(0, 0), (1, 1), (2, 2)]) == [(0, 0), (2, 2)]
+    assert figure.upper_envelope([(0, 0), (1, 1.01), (2, 2)]) == [(0, 0), (1, 1.01), (2, 2)]
+
+
+def test_figure_reads_the_frontier_tables_and_needs_matplotlib_only_to_draw(tmp_path, monkeypatch):
+    table = ("| method | β / KL coef | seeds | KL(π‖π_ref) nats | true reward | EOS rate |\n"
+             "|---|---|---|---|---|---|\n"
+             "| π_ref |  | – | 0.000 | -0.012 | 0.998 |\n"
+             "| {m} | 0.3 | 3 | 12.508 ± 0.597 | +11.789 ± 0.164 | 0.968 ± 0.012 |\n"
+             "| PPO | 0.1 | 3 | 5.546 ± 0.085 | +7.712 ± 0.111 | 0.999 ± 0.000 |\n\n"
+             "| KL(π‖π_ref) nats | DPO true reward |\n|---|---|\n| 4 | +2.320 ± 0.094 |\n")
+    path = tmp_path / "RESULTS.md"
+    path.write_text(f"<!-- begin a -->\n{table.format(m='DPO')}<!-- end a -->\n\n"
+                    f"<!-- begin b -->\n{table.format(m='DPO-b')}<!-- end b -->\n")
+    pts = figure.read_points(str(path), ["a", "b"])
+    # π_ref and PPO repeat in b and are read once; the matched-KL table is not a frontier table
+    assert [(p["method"], p["section"]) for p in pts] == [("π_ref", "a"), ("DPO", "a"),
+                                                          ("PPO", "a"), ("DPO-b", "b")]
+    assert (pts[0]["kl"], pts[0]["reward"], pts[0]["reward_se"]) == (0.0, -0.012, 0.0)
+    assert (pts[1]["kl"], pts[1]["kl_se"], pts[1]["reward"], pts[1]["reward_se"]) == (
+        12.508, 0.597, 11.789, 0.164)
+    with pytest.raises(SystemExit, match="has no section 'c'"):
+        figure.read_points(str(path), ["a", "c"])
+    out = tmp_path / "fig" / "frontier.png"
+    cfg = figure.Config(results=str(path), sections="a,b", dpo_lrs="1e-3,3e-4", out=str(out))
+    with pytest.raises(SystemExit, match="names 2 sections and --dpo_lrs 1 lr"):
+        figure.main(replace(cfg, dpo_lrs="1e-3"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on a machine without it
+    with pytest.raises(SystemExit, match="needs matplotlib .*nothing was written"):
+        figure.main(cfg)
+    assert not out.exists()

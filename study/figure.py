@@ -1,0 +1,133 @@
+"""The frontier as a picture: true reward against KL(π‖π_ref) for every setting in RESULTS.md's
+frontier tables, each method's upper concave envelope drawn through its points.
+
+    pip install matplotlib          # the only study that needs it
+    python -m study.figure          # reads RESULTS.md, writes docs/frontier.png
+
+It reads the tables `python -m study.compare` wrote (the sections named by --sections), so the
+figure shows the measured means and their standard errors over seeds, nothing else. The envelope is
+what a method can attain: a mixture of two trained policies (one picked at random per prompt) gets
+their weighted mean reward at no more than their weighted mean KL (KL is convex), so every point
+under the upper concave hull of a method's measured points, π_ref at the origin included, is within
+its reach. Points below the envelope are settings the method reached and dominated.
+"""
+import os
+import re
+from dataclasses import dataclass
+
+from plumbing import check, parse_config
+
+
+@dataclass
+class Config:
+    results: str = "RESULTS.md"  # the file whose frontier tables are drawn
+    sections: str = "frontier,frontier_lr3e-4"  # its sections to read, comma-separated
+    dpo_lrs: str = "1e-3,3e-4"  # the DPO lr of each section's sweep, for the legend
+    out: str = "docs/frontier.png"  # the figure written
+
+
+def mean_se(cell):
+    """'+11.789 ± 0.164' -> (11.789, 0.164); '-0.012' -> (-0.012, 0.0)."""
+    parts = [float(x) for x in cell.replace("+", "").split("±")]
+    return parts[0], (parts[1] if len(parts) > 1 else 0.0)
+
+
+def read_points(path, sections):
+    """Each row of the frontier table (the one whose header starts `| method |`) in each section
+    of `path`: {"method", "setting", "section", "kl", "kl_se", "reward", "reward_se"}. A row that
+    repeats one already read (PPO, shared by both DPO sweeps) is read once."""
+    check(os.path.exists(path), f"{path} does not exist")
+    text = open(path, encoding="utf-8").read()
+    points, seen = [], set()
+    for name in sections:
+        m = re.search(rf"<!-- begin {re.escape(name)} -->\n(.*?)<!-- end {re.escape(name)} -->",
+                      text, re.S)
+        check(m, f"{path} has no section {name!r}")
+        lines = m.group(1).split("\n")
+        head = next((i for i, line in enumerate(lines) if line.startswith("| method |")), None)
+        check(head is not None, f"{path}, section {name!r}: no table with a `| method |` header")
+        cols = [c.strip() for c in lines[head].strip("|").split("|")]
+        kl, reward = cols.index("KL(π‖π_ref) nats"), cols.index("true reward")
+        for line in lines[head + 2:]:
+            if not line.startswith("|"):
+                break
+            row = [c.strip() for c in line.strip("|").split("|")]
+            key = (row[0], row[1], row[kl], row[reward])
+            if key in seen:
+                continue
+            seen.add(key)
+            (x, x_se), (y, y_se) = mean_se(row[kl]), mean_se(row[reward])
+            points.append({"method": row[0], "setting": row[1], "section": name, "kl": x,
+                           "kl_se": x_se, "reward": y, "reward_se": y_se})
+    return points
+
+
+def upper_envelope(xy):
+    """The upper concave hull of points (x, y), left to right, up to its highest point: the most
+    reward a method attains at each KL, mixing its policies (further right it can only lose, so the
+    hull stops at its top)."""
+    hull = []
+    for p in sorted(set(xy)):
+        # pop the last point while it lies on or below the chord from its predecessor to p
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) >= 0:
+            hull.pop()
+        hull.append(p)
+    top = max(range(len(hull)), key=lambda i: hull[i][1])
+    return hull[:top + 1]
+
+
+def draw(points, out, dpo_lrs):
+    """The figure: each method's points with their standard errors over seeds (both axes), its
+    envelope through them, π_ref at the origin. dpo_lrs: {section: the lr of its DPO sweep}.
+    Written to out + '.tmp', then renamed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("error: the figure needs matplotlib (pip install matplotlib); "
+                         "nothing was written")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ref = next(p for p in points if p["method"] == "π_ref")
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    groups = {}
+    for p in points:
+        if p["method"] != "π_ref":
+            lr = f" (lr {dpo_lrs[p['section']]})" if p["method"] == "DPO" else ""
+            groups.setdefault(p["method"] + lr, []).append(p)
+    for label, ps in groups.items():
+        env = upper_envelope([(ref["kl"], ref["reward"])] + [(p["kl"], p["reward"]) for p in ps])
+        line, = ax.plot(*zip(*env), "--", lw=1)
+        ax.errorbar([p["kl"] for p in ps], [p["reward"] for p in ps],
+                    xerr=[p["kl_se"] for p in ps], yerr=[p["reward_se"] for p in ps], fmt="o",
+                    ms=5, capsize=2, color=line.get_color(), label=label)
+        for p in ps:
+            ax.annotate(p["setting"], (p["kl"], p["reward"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7, color=line.get_color())
+    ax.plot([ref["kl"]], [ref["reward"]], "ks", label="π_ref")
+    ax.set_xlabel("KL(π‖π_ref), nats per completion")
+    ax.set_ylabel("true reward (the task's hidden reward)")
+    ax.set_title("Points: β (DPO) or KL coef (PPO), mean ± s.e. over seeds; dashed: envelope",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    fig.savefig(out + ".tmp", dpi=110, format=os.path.splitext(out)[1][1:] or "png")
+    plt.close(fig)
+    os.replace(out + ".tmp", out)
+
+
+def main(cfg):
+    sections, lrs = cfg.sections.split(","), cfg.dpo_lrs.split(",")
+    check(len(sections) == len(lrs), f"--sections names {len(sections)} sections and --dpo_lrs "
+          f"{len(lrs)} lr: give one lr per section")
+    points = read_points(cfg.results, sections)
+    check(any(p["method"] == "π_ref" for p in points), f"{cfg.results}: no π_ref row to anchor on")
+    draw(points, cfg.out, dict(zip(sections, lrs)))
+    print(f"wrote {cfg.out}: {len(points)} points from the sections {cfg.sections} of "
+          f"{cfg.results}")
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, doc=__doc__))
