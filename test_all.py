@@ -2,8 +2,9 @@
 obvious path, cached vs live, world size 2 vs 1, resumed vs uninterrupted), plus smoke runs of every
 script, `torchrun --nproc_per_node=2` on the CPU included.
 
-    pytest test_all.py            # the whole suite
+    pytest test_all.py            # these checks, in sections named by the promise they keep
     pytest test_all.py -k dpo     # one area
+    pytest                        # everything: these and tests/*.py (the studies)
 """
 import copy
 import os
@@ -102,7 +103,8 @@ def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
 
 
 # ==================================================================================================
-# model.py
+# the model: causal, padding-invariant, log-probs and KV-cache generation equal to the full
+# forward, save/load and GPT-2 round trips, FLOP counts against FlopCounterMode (model, hf, meter)
 # ==================================================================================================
 
 def tiny_gpt(head="lm", seed=0, **kw):
@@ -564,7 +566,8 @@ def test_peak_flops_measured_once_at_the_models_shapes_for_long_enough(monkeypat
 
 
 # ==================================================================================================
-# data.py
+# the data: the task's closed forms (true reward, exact text probabilities, regimes), bad rows
+# named by file:line, the truncation and batching rules (task.py, data.py)
 # ==================================================================================================
 
 TASK_FILES = ["pairs_train.jsonl", "pairs_val.jsonl", "prompts_eval.jsonl", "prompts_train.jsonl",
@@ -1246,7 +1249,8 @@ def test_length_sorted_batches_are_the_same_batches_with_less_padding():
 
 
 # ==================================================================================================
-# plumbing.py and sft.py
+# flags, batch split, lr schedule, checkpoints; SFT: two ranks equal one process and resumed
+# equals uninterrupted (plumbing.py, checkpoint.py, sft.py)
 # ==================================================================================================
 
 def test_parse_config_flags_help_and_bad_values(capsys):
@@ -1389,7 +1393,8 @@ def test_sft_explicit_missing_input_is_an_error_naming_it(tiny, tmp_path):
 
 
 # ==================================================================================================
-# precompute.py and dpo.py
+# the DPO losses against hand values and their gradient against §4 of the paper; step 0 gives
+# ln 2; cached equals live; two ranks equal one; the shared skeleton (precompute.py, dpo.py)
 # ==================================================================================================
 
 # Equivalent DPO runs differ only in the order of fp32 sums: a cache computed in batches of 64
@@ -1785,7 +1790,8 @@ def test_loops_share_one_skeleton():
 
 
 # ==================================================================================================
-# reward.py and ppo.py
+# PPO's pieces against closed forms (GAE, clipped losses, KL estimators, Bradley–Terry); the
+# first ratio is 1; two ranks equal one; resumed equals uninterrupted (reward.py, ppo.py)
 # ==================================================================================================
 
 def prefix_mask(lengths, N):
@@ -2246,7 +2252,8 @@ def test_ppo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, ti
 
 
 # ==================================================================================================
-# online_dpo.py
+# online DPO: a round equals dpo.py's step on the same pairs; two ranks equal one process and
+# resumed equals uninterrupted (online_dpo.py)
 # ==================================================================================================
 
 def test_label_pairs_higher_score_chosen_a_tie_says_nothing():
@@ -2380,7 +2387,8 @@ def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted
 
 
 # ==================================================================================================
-# compare.py
+# the evaluation: π_ref against itself gives KL 0 and win rate 1/2, one scoring rule for every
+# model, the KL estimate against exact enumeration (evaluate.py)
 # ==================================================================================================
 
 def test_reference_against_itself_kl_zero_win_rate_half(tiny):  # noqa: F811
