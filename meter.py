@@ -270,6 +270,10 @@ class Meter:
             self.share_sums[k] += m[f"share/{k}"]
         return m
 
-    def shares(self):
-        """Each phase's mean share of a timed step over this run."""
-        return {k: v / max(self.timed, 1) for k, v in self.share_sums.items()}
+    def shares(self, log=None, step="a step"):
+        """Each phase's mean share of a timed step over this run (a compiled run's first step
+        compiled, untimed); printed through log as "share of {step}: ..." once a step was timed."""
+        shares = {k: v / max(self.timed, 1) for k, v in self.share_sums.items()}
+        if log is not None and self.timed:
+            log(f"share of {step}: " + " | ".join(f"{k} {v:.1%}" for k, v in shares.items()))
+        return shares

@@ -377,9 +377,7 @@ def finish(policy, tok, tok_path, cfg, d, log, meter, layout):
     ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
                          missing_eos_score=cfg.missing_eos_score,
                          pool_best=task_pool_best(cfg.eval_prompts))
-    shares = meter.shares()  # of the timed rounds (a compiled run's first one compiled)
-    if meter.timed:
-        log.print("share of a round: " + " | ".join(f"{k} {v:.1%}" for k, v in shares.items()))
+    shares = meter.shares(log.print, "a round")
     save_outputs(policy, cfg.out_dir, {"stage": "online_dpo", "iterations": cfg.iterations,
                                        "sft": cfg.sft, "reward": cfg.reward, "beta": cfg.beta},
                  {**ev, "iterations": cfg.iterations, "reward": cfg.reward, "beta": cfg.beta,
