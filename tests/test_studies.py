@@ -312,6 +312,13 @@ def test_results_section_replaced_in_place_appended_when_new_and_bad_markers_ref
         f.write("<!-- begin a -->\n")
     with pytest.raises(SystemExit, match="nothing was written"):
         results.write_section(path, "a", "| z |", "c", 1, "cpu")
+    # section b twice, each whole: which one to replace is not ours to guess
+    twice = text + "\n" + text[text.index("<!-- begin b -->"):]
+    with open(path, "w") as f:
+        f.write(twice)
+    with pytest.raises(SystemExit, match="found 2 and 2.*nothing was written"):
+        results.write_section(path, "b", "| w |", "c", 1, "cpu")
+    assert open(path).read() == twice
 
 
 # ==================================================================================================
