@@ -5,17 +5,22 @@ of a run's inputs and of the reference log-prob cache, and the stale refusal tha
 changed. No pickle anywhere: tensors in safetensors, everything else in JSON.
 """
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import socket
+import sys
 import tempfile
+import time
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from plumbing import atomic_write_text, barrier, check, main_decides, precision
@@ -41,14 +46,46 @@ def remove_stale_temp_files(folder, log):
         log(f"removed temp files that a killed run left in {folder}: {', '.join(stale)}")
 
 
+# The folders this process holds locked, by real path: kept open for the process's life, so a
+# later run in this same process (a study running stage after stage, a test resuming) goes on.
+LOCKS = {}
+
+
+def lock_folder(folder, flag):
+    """An exclusive lock on folder/.lock for this process's life, so that two runs never write one
+    folder (their checkpoints and metrics would interleave); the holder's pid, host and command are
+    written into it for the refusal to name. flock, not the file's existence: the kernel drops the
+    lock when its process dies, so a killed run's lock file never blocks its resume. Returns the
+    refusal, or None."""
+    real = os.path.realpath(folder)
+    if real in LOCKS:
+        return None
+    f = open(os.path.join(folder, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that has not said who it is yet"
+        f.close()
+        return (f"{folder} is in use by another run ({holder}): wait for it to end, or pick "
+                f"another {flag}")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
+    f.flush()
+    LOCKS[real] = f
+    return None
+
+
 def prepare_outputs(folders, d, log):
     """Before any work, so that a bad folder fails the run now and not at its first checkpoint:
     each of `folders` ({path: the flag that picks it}, e.g. {"out/dpo/ckpt": "--out_dir"}) is
     created if missing and proved writable by creating a file in it (os.access would say yes to
-    root on a read-only mount); then the temp files a killed run left there are removed. Rank 0,
-    the writer, looks; every rank stops alike."""
+    root on a read-only mount); then the temp files a killed run left there are removed. The first
+    folder, the run's own, is locked for the run's life (lock_folder). Rank 0, the writer, looks
+    and locks; every rank stops alike."""
     msg = None
-    for folder, flag in folders.items() if d.is_main else ():
+    for n, (folder, flag) in enumerate(folders.items() if d.is_main else ()):
         if os.path.exists(folder) and not os.path.isdir(folder):
             msg = f"{folder} is a file, not a folder: move it away, or pick another {flag}"
             break
@@ -59,6 +96,9 @@ def prepare_outputs(folders, d, log):
         except OSError as e:
             msg = (f"cannot write in {folder} ({e.strerror}): pick another {flag}, or make it a "
                    "writable folder")
+            break
+        msg = lock_folder(folder, flag) if n == 0 else None
+        if msg:
             break
         remove_stale_temp_files(folder, log)
     if not main_decides(msg is None, d):
@@ -268,6 +308,19 @@ def tokenizer_beside(model_path, flag="--ref_model"):
     return path
 
 
+def require_same_tokenizer(model_path, flag, tok_path):
+    """A model that reads the policy's token ids (r_φ) must have been trained on the same tokenizer
+    as π_ref, or it reads them as other words; compared by content (tokenizer_sha256)."""
+    theirs = os.path.join(os.path.dirname(model_path), "tokenizer.json")
+    check(os.path.exists(theirs), f"{theirs} does not exist: {flag} {model_path} is checked to "
+          "read π_ref's tokenizer by the tokenizer.json beside it, which reward.py writes there; "
+          "run reward.py again")
+    check(tokenizer_sha256(theirs) == tokenizer_sha256(tok_path),
+          f"{flag} {model_path} was trained with another tokenizer ({theirs}) than π_ref's "
+          f"({tok_path}): it would read the policy's token ids as other words. Train it from "
+          f"this π_ref (python reward.py --sft ...), or pick the π_ref it was trained from")
+
+
 def save_outputs(model, out_dir, meta, result, d, tokenizer=None):
     """A training stage's outputs (docs/DESIGN.md, "Contracts between stages"): model.safetensors
     with `meta` in its metadata, a copy of `tokenizer` beside it, and eval.json (`result`). Every
@@ -295,12 +348,20 @@ def sha256(path):
     return h.hexdigest()
 
 
+def tokenizer_sha256(path):
+    """The sha256 of what a tokenizer.json means, not of its bytes: of the tokenizers library's
+    own serialisation of it, so the same tokenizer written compact or indented is one tokenizer."""
+    return hashlib.sha256(Tokenizer.from_file(path).to_str().encode()).hexdigest()
+
+
 def input_fingerprint(files, examples):
     """What a run's weights are trained from, saved in its checkpoints for resume to check:
-    {"<flag> <path>": sha256 of the file} for each of `files` ({flag: path}; "" = not used), and
+    {"<flag> <path>": sha256 of the file} for each of `files` ({flag: path}; "" = not used; a
+    tokenizer's by tokenizer_sha256), and
     "token ids": the sha256 of the tokenized training examples (JSON-able), which also changes
     when the code of the tokenizer or of the truncation does (the reference cache's catch-all)."""
-    fp = {f"{flag} {path}": sha256(path) for flag, path in files.items() if path}
+    fp = {f"{flag} {path}": (tokenizer_sha256 if "tokenizer" in flag else sha256)(path)
+          for flag, path in files.items() if path}
     fp["token ids"] = hashlib.sha256(json.dumps(examples).encode()).hexdigest()
     return fp
 
@@ -376,7 +437,7 @@ def fingerprint(cfg, split, examples, device):
     ids = hashlib.sha256(json.dumps([[e["index"], e["prompt"], e["chosen"], e["rejected"]]
                                      for e in examples]).encode())
     return {"ref_model_sha256": sha256(cfg.ref_model),
-            "tokenizer_sha256": sha256(tokenizer_beside(cfg.ref_model)),
+            "tokenizer_sha256": tokenizer_sha256(tokenizer_beside(cfg.ref_model)),
             "pairs_sha256": sha256(pairs), "max_len": cfg.max_len,
             "max_prompt_len": cfg.max_prompt_len, "truncation": TRUNCATION, "reduction": REDUCTION,
             "tokens_sha256": ids.hexdigest(), "model_code_sha256": sha256(MODEL_CODE),

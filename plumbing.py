@@ -172,23 +172,73 @@ def require_stage(path, default, build, command, d, log):
 # config dataclass -> argparse
 
 
+# The values every numeric flag may take, by name, for every stage and study: parse_config refuses
+# any other before work starts, naming the flag, the value and the interval ("[" includes a bound,
+# "(" excludes it; NaN is in none). A numeric field missing here is a programming error, so no flag
+# goes unchecked. Where a bound is not the obvious one, the reason:
+#   beta ≥ 0.001: the DPO gradient is about β/2 · ∇h, and below ~1e-6 it falls under AdamW's ε
+#     (1e-8), so the policy never moves (--beta 1e-30 saved π_ref unchanged); the DPO paper's
+#     range is 0.1 to 0.5.
+#   temperature ≥ 0.1: the gradient of log softmax(z/T) at a sampled token whose logit leads by Δz
+#     carries exp(−Δz/T)/T, which underflows as T → 0 (--temperature 1e-12 saved π_ref unchanged).
+#   label_smoothing < 0.5: at 0.5 a label says nothing, above it the labels are flipped.
+#   max_len ≥ 3: BOS, one prompt token and one response token.
+AT_LEAST_1 = "[1, inf)"
+FLAG_RANGES = {
+    **dict.fromkeys(("steps", "iterations", "batch_size", "micro_batch_size", "rollout_batch",
+                     "mini_batch", "ppo_epochs", "eval_every", "ckpt_every", "eval_k", "k",
+                     "offset_samples", "kl_horizon", "n_layer", "n_head", "n_embd",
+                     "max_prompt_len", "dpo_steps", "ppo_iterations", "online_iterations",
+                     "curve_points", "rounds", "time_steps", "pairs", "ppo_rollouts", "points"),
+                    AT_LEAST_1),
+    **dict.fromkeys(("warmup", "stop_after", "seed"), "[0, inf)"),
+    **dict.fromkeys(("block_size", "block", "max_len"), "[3, inf)"),
+    **dict.fromkeys(("lr", "dpo_lr", "ppo_lr", "grad_clip", "kl_target", "cliprange",
+                     "cliprange_value", "vf_coef"), "(0, inf)"),
+    **dict.fromkeys(("beta", "curve_beta"), "[0.001, inf)"),
+    **dict.fromkeys(("weight_decay", "kl_coef", "curve_kl_coef"), "[0, inf)"),
+    **dict.fromkeys(("min_lr_frac", "gamma", "lam"), "[0, 1]"),
+    "dropout": "[0, 1)", "label_smoothing": "[0, 0.5)", "temperature": "[0.1, inf)",
+    "missing_eos_score": "(-inf, inf)",
+}
+
+
+def in_range(value, interval):
+    """Is value in interval, written "[lo, hi)" and the like? NaN is in no interval."""
+    lo, hi = (float(b) for b in interval[1:-1].split(","))
+    above = value >= lo if interval[0] == "[" else value > lo
+    below = value <= hi if interval[-1] == "]" else value < hi
+    return above and below
+
+
 def parse_config(cls, argv=None, doc=None):
     """One flag per field (`--beta 0.1`, `--compile/--no-compile`); --help shows each field's
-    trailing comment, read from the dataclass source, so the comment and the help can't drift."""
+    trailing comment, read from the dataclass source, so the comment and the help can't drift, and
+    a numeric field's allowed values (FLAG_RANGES), which are checked here."""
     src = inspect.getsource(cls)
     helps = dict(re.findall(r"^\s+(\w+)\s*:[^=\n]*=[^#\n]*#\s*(.*)$", src, re.M))
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    numeric = [f.name for f in dataclasses.fields(cls)
+               if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)]
+    for name in numeric:
+        assert name in FLAG_RANGES, f"--{name} has no allowed range in plumbing.FLAG_RANGES"
     for f in dataclasses.fields(cls):
         names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        h = f"{helps.get(f.name, '')} (default: {f.default})"
+        h = f"{helps.get(f.name, '')} (default: {f.default}"
+        h += f"; allowed: {FLAG_RANGES[f.name]})" if f.name in numeric else ")"
         if isinstance(f.default, bool):
             p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=f.default, help=h)
         else:
             p.add_argument(*names, dest=f.name, type=type(f.default), default=f.default, help=h,
                            metavar="")
-    return cls(**vars(p.parse_args(argv)))
+    cfg = cls(**vars(p.parse_args(argv)))
+    for name in numeric:
+        value = getattr(cfg, name)
+        check(in_range(value, FLAG_RANGES[name]),
+              f"--{name} {value} is outside its allowed values {FLAG_RANGES[name]}")
+    return cfg
 
 
 def check(ok, msg):

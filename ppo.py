@@ -29,8 +29,9 @@ import torch.nn.functional as F
 import data
 import reward
 import sft
-from checkpoint import (input_fingerprint, prepare_outputs, resume, save_checkpoint, save_outputs,
-                        stop_if_diverged, stop_if_not_finite, tokenizer_beside)
+from checkpoint import (input_fingerprint, prepare_outputs, require_same_tokenizer, resume,
+                        save_checkpoint, save_outputs, stop_if_diverged, stop_if_not_finite,
+                        tokenizer_beside)
 from evaluate import evaluate_policy, print_samples, summary
 from meter import (Meter, anatomy, estimate_flops, format_anatomy, generate_flops, matmul_shapes,
                    measure_peak_flops, model_flops)
@@ -295,6 +296,7 @@ def setup(cfg, d, log):
     require_task({cfg.prompts: Config.prompts, cfg.eval_prompts: Config.eval_prompts}, d, log)
     tok_path = tokenizer_beside(cfg.sft, "--sft")
     tok = data.load_tokenizer(tok_path)
+    require_same_tokenizer(cfg.reward_model, "--reward_model", tok_path)  # the critic's start too
     texts = data.read_prompts(cfg.prompts)
     prompts = [data.truncate_prompt(data.encode_prompt(tok, t), cfg.max_prompt_len) for t in texts]
     check(len(prompts) >= cfg.rollout_batch, f"{cfg.prompts} has {len(prompts)} prompts, fewer "

@@ -12,8 +12,9 @@ pairs DPO trains on. Then it is shifted so that π_ref's own completions of trai
 average, the "reward normalization" of lm-human-preferences (Ziegler et al. 2019), which also
 rescales to std 1; we keep the scale the pairs taught, so r_φ stays in the units of the
 Bradley-Terry logit. Writes out/reward/: model.safetensors (the offset in its metadata),
-metrics.jsonl, eval.json (val_accuracy on held-out pairs) and a resumable checkpoint in ckpt/.
-ppo.py reads it as its reward service and initializes its critic from it.
+tokenizer.json (π_ref's: its readers check it is theirs), metrics.jsonl, eval.json (val_accuracy
+on held-out pairs) and a resumable checkpoint in ckpt/. ppo.py reads it as its reward service and
+initializes its critic from it.
 """
 import os
 from dataclasses import asdict, dataclass
@@ -166,7 +167,7 @@ def setup(cfg, d, log, block):
 
 def offset_and_outputs(cfg, reward_model, val, tok, d, log):
     """Held-out accuracy, then the offset that makes π_ref's completions score 0 on average,
-    folded into the head; saves r_φ and its eval.json."""
+    folded into the head; saves r_φ, its eval.json and its tokenizer (π_ref's)."""
     val_acc, val_loss = val_metrics(reward_model, val, tok.pad, cfg, d)
     # the best any reward can do on these noisy (Bradley-Terry) labels: the true reward's accuracy
     rows = data.read_pairs(cfg.val_pairs)
@@ -188,7 +189,8 @@ def offset_and_outputs(cfg, reward_model, val, tok, d, log):
               "offset": offset, "ref_score_std": std, "ref_true_reward_corr": corr,
               "steps": cfg.steps}
     save_outputs(reward_model, cfg.out_dir, {"stage": "reward", "sft": cfg.sft,
-                                             "train_pairs": cfg.train_pairs, **result}, result, d)
+                                             "train_pairs": cfg.train_pairs, **result}, result, d,
+                 tokenizer_beside(cfg.sft, "--sft"))  # its reader checks it is π_ref's
     log(f"val accuracy {val_acc:.3f} (the true reward gets {oracle:.3f} of these noisy "
         f"labels) | π_ref's completions scored {offset:+.3f} ± {std:.3f} before the "
         f"offset, now 0 | correlation with the true reward {corr:.3f}; r_φ saved to "

@@ -7,6 +7,7 @@ script, `torchrun --nproc_per_node=2` on the CPU included.
     pytest                        # everything: these and tests/*.py (the studies)
 """
 import copy
+import dataclasses
 import os
 
 # The suite runs on the CPU whatever the machine: its tolerances are fp32 CPU numerics', and its
@@ -1264,6 +1265,52 @@ def test_parse_config_flags_help_and_bad_values(capsys):
         plumbing.parse_config(sft.Config, ["--help"])
     # help comes from the field's comment
     assert "peak AdamW learning rate" in capsys.readouterr().out
+
+
+def outside(interval, is_int):
+    """Values just outside `interval` ("[lo, hi)" and the like), and NaN for a float flag."""
+    lo, hi = (float(b) for b in interval[1:-1].split(","))
+    step = 1 if is_int else 1e-6 * max(1.0, abs(lo))
+    bad = [] if is_int else [math.nan]
+    if math.isfinite(lo):
+        bad.append(lo - step if interval[0] == "[" else lo)
+    if math.isfinite(hi):
+        bad.append(hi + step if interval[-1] == "]" else hi)
+    elif not is_int:
+        bad.append(math.inf)
+    return [int(v) if is_int else v for v in bad]
+
+
+def test_every_numeric_flag_of_every_stage_is_checked_before_any_work(tmp_path, capsys):
+    from study import compare, costs, figure, gpu, kv_cache, tune
+    configs = [m.Config for m in (sft, reward, precompute, dpo, ppo, online_dpo, evaluate,
+                                  compare, costs, figure, gpu, kv_cache, tune)]
+    checked = 0
+    for cls in configs:
+        for f in dataclasses.fields(cls):
+            if isinstance(f.default, bool) or not isinstance(f.default, (int, float)):
+                continue
+            interval = plumbing.FLAG_RANGES[f.name]  # every numeric flag has one
+            assert plumbing.in_range(f.default, interval), (cls.__module__, f.name)
+            for value in outside(interval, isinstance(f.default, int)):
+                with pytest.raises(SystemExit) as e:
+                    plumbing.parse_config(cls, [f"--{f.name}={value}"])
+                assert f"--{f.name} " in str(e.value) and interval in str(e.value), e.value
+                checked += 1
+    assert checked > 150
+    # the cases a review found crashing or saving π_ref silently, refused by the CLI before any
+    # work: nothing is written, not even the output folder
+    for script, args in (("dpo.py", ["--steps", "-3"]), ("sft.py", ["--batch_size", "0"]),
+                         ("ppo.py", ["--temperature", "1e-12"])):
+        out = tmp_path / "never"
+        p = subprocess.run([sys.executable, os.path.join(HERE, script), *args, "--out_dir",
+                            str(out)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert p.returncode != 0 and f"error: {args[0]} " in p.stderr, (script, args, p.stderr)
+        assert "Traceback" not in p.stderr and not out.exists()
+    # --help names the allowed values
+    with pytest.raises(SystemExit):
+        plumbing.parse_config(dpo.Config, ["--help"])
+    assert "allowed: [0.001, inf)" in capsys.readouterr().out
 
 
 def test_split_batch_derives_accumulation_or_says_why_not():
@@ -2830,6 +2877,33 @@ def test_a_reference_without_its_tokenizer_is_named(tiny, tmp_path):
                                        sft=str(tmp_path / "ref" / "model.safetensors")))
 
 
+def test_a_reward_model_of_another_tokenizer_is_refused_and_a_reformatted_one_is_not(
+        tiny, tiny_rm, ppo_eval_prompts, tmp_path):
+    os.makedirs(tmp_path / "rm")
+    rm = str(tmp_path / "rm" / "model.safetensors")
+    shutil.copyfile(tiny_rm / "model.safetensors", rm)
+    spec = json.loads((tiny_rm / "tokenizer.json").read_text())
+    (tmp_path / "rm" / "tokenizer.json").write_text(json.dumps(spec, separators=(",", ":")))
+    cfg = tiny_ppo_config(tiny, rm, tmp_path / "ppo", ppo_eval_prompts)
+    ocfg = online_dpo.Config(out_dir=str(tmp_path / "online"), sft=cfg.sft, reward_model=rm,
+                             prompts=cfg.prompts, eval_prompts=ppo_eval_prompts, rollout_batch=8)
+    ppo.setup(cfg, CPU, print)  # the same tokenizer written compact: accepted
+    online_dpo.setup(ocfg, CPU, print)
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two words trade ids: another tokenizer
+    (tmp_path / "rm" / "tokenizer.json").write_text(json.dumps(spec))
+    says = f"--reward_model {rm} was trained with another tokenizer"
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        ppo.setup(cfg, CPU, print)
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        online_dpo.setup(ocfg, CPU, print)
+    online_dpo.setup(replace(ocfg, reward="true"), CPU, print)  # no r_φ read: no refusal
+    os.remove(tmp_path / "rm" / "tokenizer.json")  # an r_φ from before reward.py wrote one
+    with pytest.raises(SystemExit, match="rm/tokenizer.json does not exist: --reward_model"):
+        ppo.setup(cfg, CPU, print)
+
+
 def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tmp_path):
     ckpt, cfg, net = str(tmp_path), sft.Config(out_dir=str(tmp_path)), torch.nn.Linear(2, 2)
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
@@ -2954,6 +3028,31 @@ def test_the_metrics_rewrite_at_resume_is_atomic(tmp_path, monkeypatch):
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
+def test_a_second_run_into_one_folder_is_refused_and_a_killed_runs_lock_is_not(tmp_path):
+    out = tmp_path / "dpo"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, checkpoint, plumbing; checkpoint.prepare_outputs("
+         f"{{{str(out)!r}: '--out_dir'}}, plumbing.Dist(0, 0, 1, 'cpu', True, False), print); "
+         "print('locked', flush=True); time.sleep(600)"],
+        cwd=HERE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(SystemExit) as e:
+            checkpoint.prepare_outputs({str(out): "--out_dir"}, CPU, print)
+        assert (f"{out} is in use by another run (pid {holder.pid} on " in str(e.value)
+                and "pick another --out_dir" in str(e.value))
+        assert str(out.resolve()) not in checkpoint.LOCKS
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs, the lock file stays behind
+        holder.wait()
+    assert (out / ".lock").exists()
+    said = []
+    checkpoint.prepare_outputs({str(out): "--out_dir"}, CPU, said.append)  # a resume goes on
+    assert str(out.resolve()) in checkpoint.LOCKS and not said
+    checkpoint.prepare_outputs({str(out): "--out_dir"}, CPU, said.append)  # this process again
+    assert f"pid {os.getpid()} on " in (out / ".lock").read_text()
+
+
 def test_a_kill_during_a_checkpoint_write_leaks_nothing(tmp_path):
     ckpt = tmp_path / "ckpt"
     net = torch.nn.Linear(4, 4)
@@ -2995,7 +3094,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tiny, dpo_ca
     (tmp_path / "dpo" / "ckpt").write_text("in the way")  # found at the first checkpoint, before
     with pytest.raises(SystemExit, match="dpo/ckpt is a file, not a folder"):
         dpo.main(dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "dpo")))
-    assert os.listdir(tmp_path / "dpo") == ["ckpt"]  # no step was run, no metrics written
+    assert sorted(os.listdir(tmp_path / "dpo")) == [".lock", "ckpt"]  # no step run, no metrics
     # a cache to be built into a file: refused before anything is built or trained
     with pytest.raises(SystemExit, match=f"{in_the_way} is a file, not a folder: move it away, or "
                                          "pick another --ref_logps"):
@@ -3024,6 +3123,15 @@ def test_finite_divergence_stops_every_trainer(tiny, dpo_cache, tiny_rm, tmp_pat
     with pytest.raises(SystemExit, match=r"diverged: approx_kl .* at iteration 1 is above 1 \("):
         ppo.main(cfg)
     assert not os.path.exists(tmp_path / "ppo" / "ckpt" / "latest.json")
+    # online DPO --lr 1e3: after one step π never ends, every pair ties, the loss is 0 from then on
+    # and never crosses its bound
+    cfg = online_dpo.Config(out_dir=str(tmp_path / "online"), sft=f"{tiny.sft}/model.safetensors",
+                            reward="true", prompts=f"{tiny.task}/prompts_train.jsonl",
+                            eval_prompts=str(prompts), rollout_batch=8, micro_batch_size=4,
+                            iterations=4, warmup=0, lr=1e3, eval_k=1)
+    with pytest.raises(SystemExit, match=r"collapsed: every pair of round 2 tied \(the policy no "):
+        online_dpo.main(cfg)
+    assert not os.path.exists(tmp_path / "online" / "model.safetensors")
 
 
 def test_truncation_counts_lost_eos_per_side_and_warns(tiny, dpo_cache, tmp_path,  # noqa: F811
