@@ -128,6 +128,20 @@ ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 def render(messages):
     return "\n".join(f"{ROLES[m['role']]}: {m['content']}" for m in messages)
 
+# The same template in Jinja, which hf.py exports as the tokenizer's chat_template: transformers'
+# apply_chat_template(messages, tokenize=False) then gives render's text, and with
+# add_generation_prompt=True a prompt's. The literal text sits in Jinja strings because
+# transformers renders with trim_blocks, which drops a newline that follows a tag.
+CHAT_TEMPLATE = (
+    "{% set names = " + json.dumps(ROLES) + " %}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in names %}"
+    "{{ raise_exception('the template renders the roles system, user and assistant') }}"
+    "{% endif %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}{{ names[m['role']] }}: {{ m['content'] }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\nAssistant:' }}{% endif %}")
+
 def _field(path, n, row, key):
     """row[key]: a string, or a non-empty list of messages the template renders."""
     if key not in row:

@@ -454,7 +454,8 @@ def test_export_folder_for_transformers(tmp_path):
                                              "tokenizer_class": "PreTrainedTokenizerFast",
                                              "model_max_length": 32,
                                              "model_input_names": ["input_ids", "attention_mask"],
-                                             "clean_up_tokenization_spaces": False}
+                                             "clean_up_tokenization_spaces": False,
+                                             "chat_template": data.CHAT_TEMPLATE}
     # the tokenizer puts the BOS first, as every sequence here starts; without it, our ids
     hf_tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert hf_tok.encode(" the movie").ids == data.encode_prompt(tok, " the movie")
@@ -473,6 +474,77 @@ def test_export_folder_for_transformers(tmp_path):
     with pytest.raises(SystemExit, match="has 4 tokens, the model only 3"):
         export_gpt2(tiny_gpt(vocab_size=3).float(), str(tmp_path / "nopad.json"),
                     str(tmp_path / "x"))
+
+
+def chat_template_renderer(template):
+    """apply_chat_template(messages, tokenize=False, ...) as transformers renders a chat_template:
+    a sandboxed jinja2 environment with trim_blocks and lstrip_blocks, raise_exception, and the
+    special tokens by name; continue_final_message cuts the text after the last message."""
+    jinja2 = pytest.importorskip("jinja2")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+    env.globals["raise_exception"] = raise_exception
+    compiled = env.from_string(template)
+    def apply(messages, add_generation_prompt=False, continue_final_message=False):
+        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=data.EOS, eos_token=data.EOS, pad_token=data.PAD)
+        if continue_final_message:
+            last = messages[-1]["content"]
+            text = text[:text.rindex(last) + len(last)]
+        return text
+    return apply
+
+
+def trl_pair(apply, row):
+    """TRL's maybe_extract_prompt then apply_chat_template (trl/data_utils.py) on a conversational
+    preference row: an implicit prompt is the messages both responses begin with; the prompt gets
+    the generation prompt after a user turn, continues a final assistant turn; each response is
+    the rendered prompt + response past the common prefix of the rendered prompt and both."""
+    if "prompt" not in row:
+        k = next(i for i, (a, b) in enumerate(zip(row["chosen"], row["rejected"])) if a != b)
+        row = dict(prompt=row["chosen"][:k], chosen=row["chosen"][k:],
+                   rejected=row["rejected"][k:])
+    last = row["prompt"][-1]["role"]
+    assert last in ("user", "assistant"), "TRL refuses a prompt ending with a system turn"
+    prompt = apply(row["prompt"], add_generation_prompt=last == "user",
+                   continue_final_message=last == "assistant")
+    full = {k: apply(row["prompt"] + row[k]) for k in ("chosen", "rejected")}
+    prompt = os.path.commonprefix([prompt, *full.values()])
+    return dict(prompt=prompt, **{k: v[len(prompt):] for k, v in full.items()})
+
+
+def test_exported_chat_template_renders_the_one_template(tmp_path):
+    """transformers' apply_chat_template with the exported chat_template gives data.py's text byte
+    for byte: SFT text, prompts, and TRL's rendering of conversational pairs."""
+    export_gpt2(tiny_gpt(vocab_size=4).float(), word_tokenizer(tmp_path / "tok.json", "a b"),
+                str(tmp_path / "hf"))
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    apply = chat_template_renderer(config["chat_template"])
+    odd = 'quotes \' " {{ not jinja }} {% raw %} <b>&amp;</b>\n two lines, été '
+    convs = [msgs(("user", "Rain today?")),
+             msgs(("system", "Be brief."), ("user", "Rain today?")),
+             msgs(("user", "a"), ("assistant", "b"), ("user", odd)),
+             msgs(("system", odd), ("user", "c"), ("assistant", "d"), ("user", "e"))]
+    answers = [msgs(("assistant", "No.")), msgs(("assistant", odd)),
+               msgs(("assistant", "x"), ("user", "y?"), ("assistant", "z"))]
+    rows = [dict(prompt=c, chosen=answers[i % 3], rejected=answers[(i + 1) % 3])
+            for i, c in enumerate(convs)]
+    rows += [dict(chosen=c + answers[0], rejected=c + answers[2]) for c in convs]  # implicit
+    write = lambda name, objs: (tmp_path / name).write_text(  # noqa: E731
+        "".join(json.dumps(o) + "\n" for o in objs))
+    write("t.jsonl", [{"messages": c + a} for c in convs for a in answers])
+    assert data.read_texts(str(tmp_path / "t.jsonl")) == [
+        apply(c + a) for c in convs for a in answers]
+    write("p.jsonl", [{"prompt": c} for c in convs])
+    assert data.read_prompts(str(tmp_path / "p.jsonl")) == [
+        apply(c, add_generation_prompt=True) for c in convs]
+    write("pairs.jsonl", rows)
+    assert data.read_pairs(str(tmp_path / "pairs.jsonl")) == [trl_pair(apply, r) for r in rows]
+    # a role the template cannot render is an error, not a line without its role
+    with pytest.raises(Exception, match="system, user and assistant"):
+        apply(msgs(("tool", "42")))
 
 
 def test_estimate_flops_matches_flop_counter():
