@@ -86,7 +86,10 @@ def export_gpt2(model, tokenizer_json, out_dir):
                               gives data.encode_prompt's ids
       tokenizer_config.json   EOS (also BOS) and PAD by name, no clean-up of spaces in decode (it
       special_tokens_map.json would turn " ." into "."), no token_type_ids (transformers 4.x
-                              returns them by default, and GPT-2 adds them to the input), and
+                              returns them by default, and GPT-2 adds them to the input), PAD
+                              on the left (batched generate appends every row's next token at
+                              the end: a short prompt padded on the right would be continued
+                              after its PADs), and
                               data.py's conversation template as the chat_template:
                               apply_chat_template(messages, tokenize=False) gives data.py's text,
                               which tokenizer(text) then encodes BOS first (apply_chat_template's
@@ -114,8 +117,8 @@ def export_gpt2(model, tokenizer_json, out_dir):
     # model_input_names: no token_type_ids, which GPT-2 would add to the input as wte rows
     tok_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=c.block_size,
                       model_input_names=["input_ids", "attention_mask"],
-                      clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE,
-                      **special)
+                      clean_up_tokenization_spaces=False, padding_side="left",
+                      chat_template=CHAT_TEMPLATE, **special)
     files = {"model.safetensors": save(sd, metadata={"format": "pt"}),  # transformers checks it
              "tokenizer.json": tk.to_str(pretty=True).encode()}
     for name, obj in [("config.json", config), ("generation_config.json", ids),

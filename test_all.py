@@ -455,7 +455,8 @@ def test_export_folder_for_transformers(tmp_path):
                                              "model_max_length": 32,
                                              "model_input_names": ["input_ids", "attention_mask"],
                                              "clean_up_tokenization_spaces": False,
-                                             "chat_template": data.CHAT_TEMPLATE}
+                                             "chat_template": data.CHAT_TEMPLATE,
+                                             "padding_side": "left"}  # for batched generate
     # the tokenizer puts the BOS first, as every sequence here starts; without it, our ids
     hf_tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert hf_tok.encode(" the movie").ids == data.encode_prompt(tok, " the movie")
