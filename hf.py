@@ -26,7 +26,8 @@ def import_gpt2(path, block_size=None, vocab_size=None, n_head=None):
     config.json beside it; without one, n_head must be given (the shapes give the rest).
     block_size < n_positions keeps the first rows of the position table. vocab_size > the file's
     appends embedding rows (GPT-2 has no PAD; our tokenizer adds it as 50257). Every GPT2Config
-    option that changes the function is honoured, or refused with its name and value."""
+    option that changes the function is honoured, or refused with its name and value; another
+    architecture (model_type, architectures) is refused by name."""
     sd = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
     # attn.bias / attn.masked_bias are the causal-mask buffers of older transformers, not weights
     sd = {k: v for k, v in sd.items()
@@ -39,12 +40,20 @@ def import_gpt2(path, block_size=None, vocab_size=None, n_head=None):
         check(n_head, f"{path}: no config.json beside it, so n_head is unknown: copy the model's "
                       f"config.json there (or pass n_head)")
         hf, src = {}, path
+    # another architecture (Llama, GPT-Neo, GPT-2 with a classifier head) has other tensors
+    kind, arch = hf.get("model_type", "gpt2"), hf.get("architectures") or []
+    named = f" ({', '.join(arch)})" if arch else ""
+    check(kind == "gpt2" and set(arch) <= {"GPT2LMHeadModel", "GPT2Model"},
+          f'{src}: model_type={json.dumps(kind)}{named} is refused: only GPT-2 imports '
+          f'(model_type "gpt2", GPT2LMHeadModel)')
+    check("wte.weight" in sd, f"{path}: no wte.weight among its tensors "
+                              f"({', '.join(sorted(sd)[:3])}, ...): not a GPT-2 checkpoint")
     V, C = sd["wte.weight"].shape
     n_pos, L = sd["wpe.weight"].shape[0], sum(k.endswith(".ln_1.weight") for k in sd)
     H = n_head or hf.get("n_head", 12)  # 12: GPT2Config's default
     # Per option, the values this GPT computes, the first one GPT2Config's default (or what the
     # tensors say). Any other value would import without complaint and give other logits.
-    honoured = dict(model_type=["gpt2"], vocab_size=[V], n_embd=[C], n_layer=[L], n_head=[H],
+    honoured = dict(vocab_size=[V], n_embd=[C], n_layer=[L], n_head=[H],
                     n_positions=[n_pos], n_inner=[None, 4 * C],
                     # gelu_pytorch_tanh is gelu_new's formula (tanh GELU) in one torch kernel
                     activation_function=["gelu_new", "gelu_pytorch_tanh"],

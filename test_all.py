@@ -422,6 +422,33 @@ def test_gpt2_import_honours_or_refuses_every_config_option(tmp_path):
     assert torch.allclose(m(idx), reference_gpt2(sd, idx, n_head=4), atol=1e-10, rtol=0)
 
 
+def test_gpt2_import_refuses_another_architecture(tmp_path):
+    """A Llama checkpoint (its config, its tensor names) is one error line naming what it is and
+    what imports, with or without its config.json, never a KeyError."""
+    g = torch.Generator().manual_seed(0)
+    save_file({k: torch.randn(8, 4, generator=g) for k in
+               ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                "model.norm.weight", "lm_head.weight")}, str(tmp_path / "model.safetensors"))
+    path = str(tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4}))
+    with pytest.raises(SystemExit, match=re.escape(
+            f'error: {tmp_path}/config.json: model_type="llama" (LlamaForCausalLM) is refused: '
+            f'only GPT-2 imports (model_type "gpt2", GPT2LMHeadModel)')):
+        import_gpt2(path)
+    # GPT-2's model_type with another head: its tensors would not load
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"]}))
+    with pytest.raises(SystemExit,
+                       match=r'model_type="gpt2" \(GPT2ForSequenceClassification\) is refused'):
+        import_gpt2(path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(SystemExit, match=re.escape(f"error: {path}: no wte.weight among its "
+                                                   f"tensors (")) as e:
+        import_gpt2(path, n_head=4)
+    assert "model.embed_tokens.weight" in str(e.value) and "not a GPT-2 checkpoint" in str(e.value)
+
+
 def test_export_folder_for_transformers(tmp_path):
     """The exported folder holds what transformers' from_pretrained reads, by its documented schema;
     a separate venv with transformers loaded it by hand (see the README)."""
