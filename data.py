@@ -122,11 +122,20 @@ def _text(path, n, s, what):
 # Conversations (TRL's conversational format: lists of {"role", "content"} messages) become text
 # by one fixed template, for pairs and SFT text alike: a line per message, "Role: content"
 # ("System: Answer briefly.\nUser: Will it rain?\nAssistant: No."). A prompt ends with
-# "\nAssistant:", so its response starts with a space, as every response here.
+# "\nAssistant:", so its response starts with a space, as every response here; except a prompt
+# whose last message is the assistant's (render_prompt).
 ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 def render(messages):
     return "\n".join(f"{ROLES[m['role']]}: {m['content']}" for m in messages)
+
+def render_prompt(messages):
+    """A conversation as a prompt, by TRL's rule (apply_chat_template in trl/data_utils.py): the
+    generation prompt "\nAssistant:" after it, unless its last message is the assistant's, which
+    the model then continues (transformers' continue_final_message). A pair's responses then
+    follow that message as the next ones: "\nAssistant: ..." (render of prompt + response)."""
+    text = render(messages)
+    return text if messages[-1]["role"] == "assistant" else text + "\nAssistant:"
 
 # The same template in Jinja, which hf.py exports as the tokenizer's chat_template: transformers'
 # apply_chat_template(messages, tokenize=False) then gives render's text, and with
@@ -197,7 +206,7 @@ def read_pairs(path):
             if not c or not r or c[0]["role"] != "assistant" or r[0]["role"] != "assistant":
                 raise DataError(f'{path}:{n}: "chosen" and "rejected" must each answer the prompt '
                                 f'with an assistant message')
-            x = render(p) + "\nAssistant:"
+            x = render_prompt(p)
             p, c, r = x, render(p + c)[len(x):], render(p + r)[len(x):]
         for key, v in (("chosen", c), ("rejected", r)):
             if not v:
@@ -214,11 +223,11 @@ def read_pairs(path):
 
 def read_prompts(path):
     """JSONL rows {"prompt": a string or messages} when the name ends in .jsonl (messages rendered
-    as a prompt: the template, then a line "Assistant:"), else plain text, a prompt per line."""
+    by render_prompt), else plain text, a prompt per line."""
     if path.endswith(".jsonl"):
         ps = [_field(path, n, _json_row(path, n, line), "prompt") for n, line in _lines(path)]
-        return _nonempty(path, [p if isinstance(p, str) else render(p) + "\nAssistant:"
-                                for p in ps], "prompts")
+        return _nonempty(path, [p if isinstance(p, str) else render_prompt(p) for p in ps],
+                         "prompts")
     return _nonempty(path, [_text(path, n, s, "the line") for n, s in _lines(path)], "prompts")
 
 def read_texts(path):

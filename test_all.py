@@ -554,7 +554,8 @@ def test_exported_chat_template_renders_the_one_template(tmp_path):
     convs = [msgs(("user", "Rain today?")),
              msgs(("system", "Be brief."), ("user", "Rain today?")),
              msgs(("user", "a"), ("assistant", "b"), ("user", odd)),
-             msgs(("system", odd), ("user", "c"), ("assistant", "d"), ("user", "e"))]
+             msgs(("system", odd), ("user", "c"), ("assistant", "d"), ("user", "e")),
+             msgs(("user", "Name a colour."), ("assistant", "Here is one:"))]  # to continue
     answers = [msgs(("assistant", "No.")), msgs(("assistant", odd)),
                msgs(("assistant", "x"), ("user", "y?"), ("assistant", "z"))]
     rows = [dict(prompt=c, chosen=answers[i % 3], rejected=answers[(i + 1) % 3])
@@ -567,7 +568,8 @@ def test_exported_chat_template_renders_the_one_template(tmp_path):
         apply(c + a) for c in convs for a in answers]
     write("p.jsonl", [{"prompt": c} for c in convs])
     assert data.read_prompts(str(tmp_path / "p.jsonl")) == [
-        apply(c, add_generation_prompt=True) for c in convs]
+        apply(c, add_generation_prompt=c[-1]["role"] == "user",
+              continue_final_message=c[-1]["role"] == "assistant") for c in convs]
     write("pairs.jsonl", rows)
     assert data.read_pairs(str(tmp_path / "pairs.jsonl")) == [trl_pair(apply, r) for r in rows]
     # a role the template cannot render is an error, not a line without its role
@@ -1006,6 +1008,9 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
     (json.dumps(dict(prompt=U, chosen=msgs(("user", "b")), rejected=A)),
      '"chosen" and "rejected" must each answer the prompt with an assistant message'),
     (json.dumps(dict(chosen=U + A, rejected=U + A + U + A)), "must each answer the prompt"),
+    # a prompt that ends with an assistant turn: the responses still answer as the assistant
+    (json.dumps(dict(prompt=U + A, chosen=A, rejected=msgs(("user", "b")))),
+     "must each answer the prompt"),
     (json.dumps(dict(chosen=U + A, rejected=msgs(("user", "yo")) + A)),
      'no "prompt" field, and the conversations share no first message'),
     (json.dumps(dict(prompt=U, chosen=msgs(("assistant", "<|endoftext|>")), rejected=A)),
@@ -1087,14 +1092,22 @@ def test_read_pairs_conversational_rows_use_the_one_template(tmp_path):
                                      ("assistant", "Yes.")),
                  rejected=sys_u + msgs(("assistant", "Maybe."))),
             dict(chosen=abc + msgs(("assistant", "d")), rejected=abc + msgs(("assistant", "e"))),
-            dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away")]  # strings
+            dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away"),  # strings
+            # a prompt that ends with an assistant turn gets no "\nAssistant:" of its own: as TRL
+            # (continue_final_message), each response follows it as the next message
+            dict(prompt=abc[:2], chosen=msgs(("assistant", "c")),
+                 rejected=msgs(("assistant", "d"))),
+            dict(chosen=abc[:2] + msgs(("assistant", "c")),
+                 rejected=abc[:2] + msgs(("assistant", "d")))]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     x = "System: Be brief.\nUser: Rain today?\nAssistant:"
     assert data.read_pairs(str(tmp_path / "c.jsonl")) == [
         dict(prompt=x, chosen=" No.", rejected=" Yes."),
         dict(prompt=x, chosen=" No.\nUser: Sure?\nAssistant: Yes.", rejected=" Maybe."),
         dict(prompt="User: a\nAssistant: b\nUser: c\nAssistant:", chosen=" d", rejected=" e"),
-        dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away")]
+        dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away"),
+        *[dict(prompt="User: a\nAssistant: b", chosen="\nAssistant: c",
+               rejected="\nAssistant: d")] * 2]
     # the same template renders SFT text ({"messages"} rows) and prompts: a pair's prompt + chosen
     # is the SFT text of the whole conversation, token for token (the boundary is at a word start)
     (tmp_path / "t.jsonl").write_text(json.dumps({"messages": rows[1]["chosen"]}) + "\n" +
@@ -1103,8 +1116,9 @@ def test_read_pairs_conversational_rows_use_the_one_template(tmp_path):
     assert texts == [x + " No.\nUser: Sure?\nAssistant: Yes.", "one\ntext"]
     tok = data.train_tokenizer(texts * 10, vocab_size=300)
     assert tok.encode(x) + tok.encode(" No.\nUser: Sure?\nAssistant: Yes.") == tok.encode(texts[0])
-    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": sys_u}) + "\n")
-    assert data.read_prompts(str(tmp_path / "p.jsonl")) == [x]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": sys_u}) + "\n" +
+                                      json.dumps({"prompt": abc[:2]}) + "\n")
+    assert data.read_prompts(str(tmp_path / "p.jsonl")) == [x, "User: a\nAssistant: b"]
     (tmp_path / "t.jsonl").write_text('{"text": "a"}\n{"txt": "b"}\n')
     with pytest.raises(data.DataError, match=f'^{tmp_path}/t.jsonl:2: missing field "text"'):
         data.read_texts(str(tmp_path / "t.jsonl"))
