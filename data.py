@@ -179,17 +179,19 @@ def read_pairs(path):
     of messages (rendered by the template); or an implicit prompt: only "chosen" and "rejected",
     full texts or conversations, whose prompt is what both begin with: the messages (as TRL's
     extract_prompt), or the text up to the last whitespace before they differ (TRL cuts at the
-    first differing character; we never cut a word). A row with a prompt may hold other fields
-    (ignored); one without holds nothing else: another key is likelier a misspelled "prompt"."""
+    first differing character; we never cut a word). Other fields are ignored, as TRL ignores them
+    (scores, ids), except beside implicit-prompt texts: there another key is likelier a misspelled
+    "prompt", whose words would silently be read as the texts' common opening."""
     out = []
     for n, line in _lines(path):
         row = _json_row(path, n, line)
-        extra = sorted(set(row) - {"chosen", "rejected"})
-        if "prompt" not in row and extra:
-            raise DataError(f'{path}:{n}: no "prompt" field but other fields ({", ".join(extra)}): '
-                            f'a misspelled "prompt"? A row without one holds only the responses')
         p = _field(path, n, row, "prompt") if "prompt" in row else None
         c, r = _field(path, n, row, "chosen"), _field(path, n, row, "rejected")
+        extra = sorted(set(row) - {"chosen", "rejected"})
+        if p is None and extra and isinstance(c, str):
+            raise DataError(f'{path}:{n}: no "prompt" field but other fields ({", ".join(extra)}): '
+                            f'a misspelled "prompt"? A row of texts without one holds only the '
+                            f'responses')
         if len({type(v) for v in (p, c, r) if v is not None}) > 1:
             raise DataError(f"{path}:{n}: mixes strings and lists of messages")
         if c == r:

@@ -560,7 +560,8 @@ def test_exported_chat_template_renders_the_one_template(tmp_path):
                msgs(("assistant", "x"), ("user", "y?"), ("assistant", "z"))]
     rows = [dict(prompt=c, chosen=answers[i % 3], rejected=answers[(i + 1) % 3])
             for i, c in enumerate(convs)]
-    rows += [dict(chosen=c + answers[0], rejected=c + answers[2]) for c in convs]  # implicit
+    # implicit prompts, beside another field (TRL's extract_prompt, which ignores it)
+    rows += [dict(chosen=c + answers[0], rejected=c + answers[2], score=1) for c in convs]
     write = lambda name, objs: (tmp_path / name).write_text(  # noqa: E731
         "".join(json.dumps(o) + "\n" for o in objs))
     write("t.jsonl", [{"messages": c + a} for c in convs for a in answers])
@@ -1008,6 +1009,10 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
     (json.dumps(dict(prompt=U, chosen=msgs(("user", "b")), rejected=A)),
      '"chosen" and "rejected" must each answer the prompt with an assistant message'),
     (json.dumps(dict(chosen=U + A, rejected=U + A + U + A)), "must each answer the prompt"),
+    # implicit-prompt conversations may hold other fields, but not a bad message, nor no prompt
+    (json.dumps(dict(chosen=U + msgs(("bot", "b")), rejected=U + A, score=1)), "chosen[1] is {"),
+    (json.dumps(dict(promt=U, chosen=A, rejected=msgs(("assistant", "no")))),
+     'no "prompt" field, and the conversations share no first message'),
     # a prompt that ends with an assistant turn: the responses still answer as the assistant
     (json.dumps(dict(prompt=U + A, chosen=A, rejected=msgs(("user", "b")))),
      "must each answer the prompt"),
@@ -1122,6 +1127,16 @@ def test_read_pairs_conversational_rows_use_the_one_template(tmp_path):
     (tmp_path / "t.jsonl").write_text('{"text": "a"}\n{"txt": "b"}\n')
     with pytest.raises(data.DataError, match=f'^{tmp_path}/t.jsonl:2: missing field "text"'):
         data.read_texts(str(tmp_path / "t.jsonl"))
+
+def test_read_pairs_implicit_conversations_ignore_other_fields(tmp_path):
+    # as TRL's preference datasets with an implicit prompt (e.g. scores beside the conversations):
+    # the prompt is the messages both begin with, other fields are ignored as TRL ignores them
+    q, yes, no = msgs(("user", "Rain?")), msgs(("assistant", "No.")), msgs(("assistant", "Yes"))
+    rows = [dict(chosen=q + yes, rejected=q + no, score_chosen=8.5, score_rejected=3.0, id="x"),
+            dict(chosen=q + yes, rejected=q + no)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert data.read_pairs(str(tmp_path / "c.jsonl")) == [
+        dict(prompt="User: Rain?\nAssistant:", chosen=" No.", rejected=" Yes")] * 2
 
 EXAMPLE = os.path.join(HERE, "examples", "dialogue_pairs.jsonl")
 
