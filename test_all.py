@@ -436,6 +436,9 @@ def test_gpt2_import_refuses_another_architecture(tmp_path):
             f'error: {tmp_path}/config.json: model_type="llama" (LlamaForCausalLM) is refused: '
             f'only GPT-2 imports (model_type "gpt2", GPT2LMHeadModel)')):
         import_gpt2(path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no architectures
+    with pytest.raises(SystemExit, match='model_type="llama" is refused'):
+        import_gpt2(path)
     # GPT-2's model_type with another head: its tensors would not load
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"]}))
