@@ -122,11 +122,34 @@ def _text(path, n, s, what):
 # Conversations (TRL's conversational format: lists of {"role", "content"} messages) become text
 # by one fixed template, for pairs and SFT text alike: a line per message, "Role: content"
 # ("System: Answer briefly.\nUser: Will it rain?\nAssistant: No."). A prompt ends with
-# "\nAssistant:", so its response starts with a space, as every response here.
+# "\nAssistant:", so its response starts with a space, as every response here; except a prompt
+# whose last message is the assistant's (render_prompt).
 ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 def render(messages):
     return "\n".join(f"{ROLES[m['role']]}: {m['content']}" for m in messages)
+
+def render_prompt(messages):
+    """A conversation as a prompt, by TRL's rule (apply_chat_template in trl/data_utils.py): the
+    generation prompt "\nAssistant:" after it, unless its last message is the assistant's, which
+    the model then continues (transformers' continue_final_message). A pair's responses then
+    follow that message as the next ones: "\nAssistant: ..." (render of prompt + response)."""
+    text = render(messages)
+    return text if messages[-1]["role"] == "assistant" else text + "\nAssistant:"
+
+# The same template in Jinja, which hf.py exports as the tokenizer's chat_template: transformers'
+# apply_chat_template(messages, tokenize=False) then gives render's text, and with
+# add_generation_prompt=True a prompt's. The literal text sits in Jinja strings because
+# transformers renders with trim_blocks, which drops a newline that follows a tag.
+CHAT_TEMPLATE = (
+    "{% set names = " + json.dumps(ROLES) + " %}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in names %}"
+    "{{ raise_exception('the template renders the roles system, user and assistant') }}"
+    "{% endif %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}{{ names[m['role']] }}: {{ m['content'] }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\nAssistant:' }}{% endif %}")
 
 def _field(path, n, row, key):
     """row[key]: a string, or a non-empty list of messages the template renders."""
@@ -156,17 +179,19 @@ def read_pairs(path):
     of messages (rendered by the template); or an implicit prompt: only "chosen" and "rejected",
     full texts or conversations, whose prompt is what both begin with: the messages (as TRL's
     extract_prompt), or the text up to the last whitespace before they differ (TRL cuts at the
-    first differing character; we never cut a word). A row with a prompt may hold other fields
-    (ignored); one without holds nothing else: another key is likelier a misspelled "prompt"."""
+    first differing character; we never cut a word). Other fields are ignored, as TRL ignores them
+    (scores, ids), except beside implicit-prompt texts: there another key is likelier a misspelled
+    "prompt", whose words would silently be read as the texts' common opening."""
     out = []
     for n, line in _lines(path):
         row = _json_row(path, n, line)
-        extra = sorted(set(row) - {"chosen", "rejected"})
-        if "prompt" not in row and extra:
-            raise DataError(f'{path}:{n}: no "prompt" field but other fields ({", ".join(extra)}): '
-                            f'a misspelled "prompt"? A row without one holds only the responses')
         p = _field(path, n, row, "prompt") if "prompt" in row else None
         c, r = _field(path, n, row, "chosen"), _field(path, n, row, "rejected")
+        extra = sorted(set(row) - {"chosen", "rejected"})
+        if p is None and extra and isinstance(c, str):
+            raise DataError(f'{path}:{n}: no "prompt" field but other fields ({", ".join(extra)}): '
+                            f'a misspelled "prompt"? A row of texts without one holds only the '
+                            f'responses')
         if len({type(v) for v in (p, c, r) if v is not None}) > 1:
             raise DataError(f"{path}:{n}: mixes strings and lists of messages")
         if c == r:
@@ -183,7 +208,7 @@ def read_pairs(path):
             if not c or not r or c[0]["role"] != "assistant" or r[0]["role"] != "assistant":
                 raise DataError(f'{path}:{n}: "chosen" and "rejected" must each answer the prompt '
                                 f'with an assistant message')
-            x = render(p) + "\nAssistant:"
+            x = render_prompt(p)
             p, c, r = x, render(p + c)[len(x):], render(p + r)[len(x):]
         for key, v in (("chosen", c), ("rejected", r)):
             if not v:
@@ -200,11 +225,11 @@ def read_pairs(path):
 
 def read_prompts(path):
     """JSONL rows {"prompt": a string or messages} when the name ends in .jsonl (messages rendered
-    as a prompt: the template, then a line "Assistant:"), else plain text, a prompt per line."""
+    by render_prompt), else plain text, a prompt per line."""
     if path.endswith(".jsonl"):
         ps = [_field(path, n, _json_row(path, n, line), "prompt") for n, line in _lines(path)]
-        return _nonempty(path, [p if isinstance(p, str) else render(p) + "\nAssistant:"
-                                for p in ps], "prompts")
+        return _nonempty(path, [p if isinstance(p, str) else render_prompt(p) for p in ps],
+                         "prompts")
     return _nonempty(path, [_text(path, n, s, "the line") for n, s in _lines(path)], "prompts")
 
 def read_texts(path):

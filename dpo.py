@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=8 dpo.py    # plain DDP over 8 ranks (nccl on GPUs, gloo on CPUs)
     torchrun --nproc_per_node=8 dpo.py --fsdp   # FSDP2: each rank holds 1/8 of the model state
     python dpo.py --ref live              # run π_ref every step instead of reading the cache
-    python dpo.py --loss ipo --beta 0.1   # IPO; --label_smoothing 0.1 for conservative DPO
+    python dpo.py --loss ipo --beta 0.1   # IPO; --label_smoothing 0.1 for conservative DPO (cDPO)
     python dpo.py --help                  # every flag
 
 Direct Preference Optimization (Rafailov et al. 2023) fits the policy to the pairs with Eq. 7,
@@ -56,9 +56,10 @@ class Config:
     ref_logps: str = "out/ref_logps"  # the log π_ref cache (yours: a subfolder); built if missing
     # "cache": read log π_ref from ref_logps; "live": run π_ref every step (what precompute removes)
     ref: str = "cache"
+    # IPO's h is of summed log-probs, as the DPO repo; TRL's "ipo" averages them per token first
     loss: str = "sigmoid"  # "sigmoid": DPO, Eq. 7; "ipo": Azar et al. 2023, Eq. 17
-    beta: float = 0.5  # the KL(π‖π_ref) constraint; implicit reward β log π/π_ref
-    label_smoothing: float = 0.0  # ε: chance a label is flipped (conservative DPO)
+    beta: float = 0.5  # the KL(π‖π_ref) constraint; implicit reward β log π/π_ref; IPO's τ
+    label_smoothing: float = 0.0  # ε: chance a label is flipped: cDPO (Mitchell 2023), not rDPO
     max_len: int = 64  # tokens of prompt + response; the cache's fingerprint checks it
     max_prompt_len: int = 16  # a truncated prompt keeps at least this many tokens
     steps: int = 200  # optimizer steps: 3.2 epochs of the task's 4,000 pairs (tune.py: flat there)
@@ -90,11 +91,20 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta, loss="sigmo
     (B,) detached.
         h = log π(y_w)/π_ref(y_w) − log π(y_l)/π_ref(y_l)      the log-ratio difference
       sigmoid: −log σ(βh)                        Eq. 7 of Rafailov et al. 2023
-               −(1−ε) log σ(βh) − ε log σ(−βh)   with label_smoothing ε: conservative DPO (Mitchell
-                                                 2023), the expected loss when each label is
-                                                 flipped with probability ε
-      ipo:     (h − 1/(2β))²                     Eq. 17 of Azar et al. 2023, on summed log-probs as
-                                                 the DPO repo (TRL's "ipo" averages over tokens)
+               −(1−ε) log σ(βh) − ε log σ(−βh)   with label_smoothing ε: conservative DPO, cDPO
+                                                 (Mitchell 2023, "A note on DPO with noisy
+                                                 preferences"): the expected loss when each label
+                                                 is flipped with probability ε, as the DPO repo's
+                                                 label_smoothing. Not TRL's "robust" (rDPO,
+                                                 Chowdhury et al. 2024), which divides the
+                                                 difference of the two terms by 1−2ε; TRL's
+                                                 "sigmoid" has no smoothing.
+      ipo:     (h − 1/(2β))²                     Eq. 17 of Azar et al. 2023 (β is its τ), h from
+                                                 summed log-probs as the DPO repo. TRL's "ipo"
+                                                 divides each response's log-ratio by its length
+                                                 first, so h is per token there: for responses of
+                                                 about n tokens, TRL's β is about n times the β
+                                                 that asks for the same margin here
     The gradient of the sigmoid loss (Sec. 4) is
         −β σ(r̂(x,y_l) − r̂(x,y_w)) [∇log π(y_w) − ∇log π(y_l)]:
     a pair weighs more the more the implicit reward misorders it."""

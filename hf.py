@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save
 from tokenizers import Tokenizer, processors
 
-from data import EOS, PAD
+from data import CHAT_TEMPLATE, EOS, PAD
 from model import GPT, GPTConfig, load_model
 from plumbing import check
 
@@ -26,7 +26,8 @@ def import_gpt2(path, block_size=None, vocab_size=None, n_head=None):
     config.json beside it; without one, n_head must be given (the shapes give the rest).
     block_size < n_positions keeps the first rows of the position table. vocab_size > the file's
     appends embedding rows (GPT-2 has no PAD; our tokenizer adds it as 50257). Every GPT2Config
-    option that changes the function is honoured, or refused with its name and value."""
+    option that changes the function is honoured, or refused with its name and value; another
+    architecture (model_type, architectures) is refused by name."""
     sd = {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
     # attn.bias / attn.masked_bias are the causal-mask buffers of older transformers, not weights
     sd = {k: v for k, v in sd.items()
@@ -39,12 +40,20 @@ def import_gpt2(path, block_size=None, vocab_size=None, n_head=None):
         check(n_head, f"{path}: no config.json beside it, so n_head is unknown: copy the model's "
                       f"config.json there (or pass n_head)")
         hf, src = {}, path
+    # another architecture (Llama, GPT-Neo, GPT-2 with a classifier head) has other tensors
+    kind, arch = hf.get("model_type", "gpt2"), hf.get("architectures") or []
+    named = f" ({', '.join(arch)})" if arch else ""
+    check(kind == "gpt2" and set(arch) <= {"GPT2LMHeadModel", "GPT2Model"},
+          f'{src}: model_type={json.dumps(kind)}{named} is refused: only GPT-2 imports '
+          f'(model_type "gpt2", GPT2LMHeadModel)')
+    check("wte.weight" in sd, f"{path}: no wte.weight among its tensors "
+                              f"({', '.join(sorted(sd)[:3])}, ...): not a GPT-2 checkpoint")
     V, C = sd["wte.weight"].shape
     n_pos, L = sd["wpe.weight"].shape[0], sum(k.endswith(".ln_1.weight") for k in sd)
     H = n_head or hf.get("n_head", 12)  # 12: GPT2Config's default
     # Per option, the values this GPT computes, the first one GPT2Config's default (or what the
     # tensors say). Any other value would import without complaint and give other logits.
-    honoured = dict(model_type=["gpt2"], vocab_size=[V], n_embd=[C], n_layer=[L], n_head=[H],
+    honoured = dict(vocab_size=[V], n_embd=[C], n_layer=[L], n_head=[H],
                     n_positions=[n_pos], n_inner=[None, 4 * C],
                     # gelu_pytorch_tanh is gelu_new's formula (tanh GELU) in one torch kernel
                     activation_function=["gelu_new", "gelu_pytorch_tanh"],
@@ -86,7 +95,14 @@ def export_gpt2(model, tokenizer_json, out_dir):
                               gives data.encode_prompt's ids
       tokenizer_config.json   EOS (also BOS) and PAD by name, no clean-up of spaces in decode (it
       special_tokens_map.json would turn " ." into "."), no token_type_ids (transformers 4.x
-                              returns them by default, and GPT-2 adds them to the input)"""
+                              returns them by default, and GPT-2 adds them to the input), PAD
+                              on the left (batched generate appends every row's next token at
+                              the end: a short prompt padded on the right would be continued
+                              after its PADs), and
+                              data.py's conversation template as the chat_template:
+                              apply_chat_template(messages, tokenize=False) gives data.py's text,
+                              which tokenizer(text) then encodes BOS first (apply_chat_template's
+                              own tokenize=True adds no special tokens, so no BOS)"""
     c = model.config
     check(c.head == "lm" and c.bias, "the GPT-2 layout needs the LM head and biases")
     tk = Tokenizer.from_file(tokenizer_json)
@@ -110,7 +126,8 @@ def export_gpt2(model, tokenizer_json, out_dir):
     # model_input_names: no token_type_ids, which GPT-2 would add to the input as wte rows
     tok_config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=c.block_size,
                       model_input_names=["input_ids", "attention_mask"],
-                      clean_up_tokenization_spaces=False, **special)
+                      clean_up_tokenization_spaces=False, padding_side="left",
+                      chat_template=CHAT_TEMPLATE, **special)
     files = {"model.safetensors": save(sd, metadata={"format": "pt"}),  # transformers checks it
              "tokenizer.json": tk.to_str(pretty=True).encode()}
     for name, obj in [("config.json", config), ("generation_config.json", ids),

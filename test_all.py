@@ -423,6 +423,36 @@ def test_gpt2_import_honours_or_refuses_every_config_option(tmp_path):
     assert torch.allclose(m(idx), reference_gpt2(sd, idx, n_head=4), atol=1e-10, rtol=0)
 
 
+def test_gpt2_import_refuses_another_architecture(tmp_path):
+    """A Llama checkpoint (its config, its tensor names) is one error line naming what it is and
+    what imports, with or without its config.json, never a KeyError."""
+    g = torch.Generator().manual_seed(0)
+    save_file({k: torch.randn(8, 4, generator=g) for k in
+               ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                "model.norm.weight", "lm_head.weight")}, str(tmp_path / "model.safetensors"))
+    path = str(tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4}))
+    with pytest.raises(SystemExit, match=re.escape(
+            f'error: {tmp_path}/config.json: model_type="llama" (LlamaForCausalLM) is refused: '
+            f'only GPT-2 imports (model_type "gpt2", GPT2LMHeadModel)')):
+        import_gpt2(path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no architectures
+    with pytest.raises(SystemExit, match='model_type="llama" is refused'):
+        import_gpt2(path)
+    # GPT-2's model_type with another head: its tensors would not load
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"]}))
+    with pytest.raises(SystemExit,
+                       match=r'model_type="gpt2" \(GPT2ForSequenceClassification\) is refused'):
+        import_gpt2(path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(SystemExit, match=re.escape(f"error: {path}: no wte.weight among its "
+                                                   f"tensors (")) as e:
+        import_gpt2(path, n_head=4)
+    assert "model.embed_tokens.weight" in str(e.value) and "not a GPT-2 checkpoint" in str(e.value)
+
+
 def test_export_folder_for_transformers(tmp_path):
     """The exported folder holds what transformers' from_pretrained reads, by its documented schema;
     a separate venv with transformers loaded it by hand (see the README)."""
@@ -455,7 +485,9 @@ def test_export_folder_for_transformers(tmp_path):
                                              "tokenizer_class": "PreTrainedTokenizerFast",
                                              "model_max_length": 32,
                                              "model_input_names": ["input_ids", "attention_mask"],
-                                             "clean_up_tokenization_spaces": False}
+                                             "clean_up_tokenization_spaces": False,
+                                             "chat_template": data.CHAT_TEMPLATE,
+                                             "padding_side": "left"}  # for batched generate
     # the tokenizer puts the BOS first, as every sequence here starts; without it, our ids
     hf_tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert hf_tok.encode(" the movie").ids == data.encode_prompt(tok, " the movie")
@@ -474,6 +506,80 @@ def test_export_folder_for_transformers(tmp_path):
     with pytest.raises(SystemExit, match="has 4 tokens, the model only 3"):
         export_gpt2(tiny_gpt(vocab_size=3).float(), str(tmp_path / "nopad.json"),
                     str(tmp_path / "x"))
+
+
+def chat_template_renderer(template):
+    """apply_chat_template(messages, tokenize=False, ...) as transformers renders a chat_template:
+    a sandboxed jinja2 environment with trim_blocks and lstrip_blocks, raise_exception, and the
+    special tokens by name; continue_final_message cuts the text after the last message."""
+    jinja2 = pytest.importorskip("jinja2")
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+    env.globals["raise_exception"] = raise_exception
+    compiled = env.from_string(template)
+    def apply(messages, add_generation_prompt=False, continue_final_message=False):
+        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=data.EOS, eos_token=data.EOS, pad_token=data.PAD)
+        if continue_final_message:
+            last = messages[-1]["content"]
+            text = text[:text.rindex(last) + len(last)]
+        return text
+    return apply
+
+
+def trl_pair(apply, row):
+    """TRL's maybe_extract_prompt then apply_chat_template (trl/data_utils.py) on a conversational
+    preference row: an implicit prompt is the messages both responses begin with; the prompt gets
+    the generation prompt after a user turn, continues a final assistant turn; each response is
+    the rendered prompt + response past the common prefix of the rendered prompt and both."""
+    if "prompt" not in row:
+        k = next(i for i, (a, b) in enumerate(zip(row["chosen"], row["rejected"])) if a != b)
+        row = dict(prompt=row["chosen"][:k], chosen=row["chosen"][k:],
+                   rejected=row["rejected"][k:])
+    last = row["prompt"][-1]["role"]
+    assert last in ("user", "assistant"), "TRL refuses a prompt ending with a system turn"
+    prompt = apply(row["prompt"], add_generation_prompt=last == "user",
+                   continue_final_message=last == "assistant")
+    full = {k: apply(row["prompt"] + row[k]) for k in ("chosen", "rejected")}
+    prompt = os.path.commonprefix([prompt, *full.values()])
+    return dict(prompt=prompt, **{k: v[len(prompt):] for k, v in full.items()})
+
+
+def test_exported_chat_template_renders_the_one_template(tmp_path):
+    """transformers' apply_chat_template with the exported chat_template gives data.py's text byte
+    for byte: SFT text, prompts, and TRL's rendering of conversational pairs."""
+    export_gpt2(tiny_gpt(vocab_size=4).float(), word_tokenizer(tmp_path / "tok.json", "a b"),
+                str(tmp_path / "hf"))
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    apply = chat_template_renderer(config["chat_template"])
+    odd = 'quotes \' " {{ not jinja }} {% raw %} <b>&amp;</b>\n two lines, été '
+    convs = [msgs(("user", "Rain today?")),
+             msgs(("system", "Be brief."), ("user", "Rain today?")),
+             msgs(("user", "a"), ("assistant", "b"), ("user", odd)),
+             msgs(("system", odd), ("user", "c"), ("assistant", "d"), ("user", "e")),
+             msgs(("user", "Name a colour."), ("assistant", "Here is one:"))]  # to continue
+    answers = [msgs(("assistant", "No.")), msgs(("assistant", odd)),
+               msgs(("assistant", "x"), ("user", "y?"), ("assistant", "z"))]
+    rows = [dict(prompt=c, chosen=answers[i % 3], rejected=answers[(i + 1) % 3])
+            for i, c in enumerate(convs)]
+    # implicit prompts, beside another field (TRL's extract_prompt, which ignores it)
+    rows += [dict(chosen=c + answers[0], rejected=c + answers[2], score=1) for c in convs]
+    write = lambda name, objs: (tmp_path / name).write_text(  # noqa: E731
+        "".join(json.dumps(o) + "\n" for o in objs))
+    write("t.jsonl", [{"messages": c + a} for c in convs for a in answers])
+    assert data.read_texts(str(tmp_path / "t.jsonl")) == [
+        apply(c + a) for c in convs for a in answers]
+    write("p.jsonl", [{"prompt": c} for c in convs])
+    assert data.read_prompts(str(tmp_path / "p.jsonl")) == [
+        apply(c, add_generation_prompt=c[-1]["role"] == "user",
+              continue_final_message=c[-1]["role"] == "assistant") for c in convs]
+    write("pairs.jsonl", rows)
+    assert data.read_pairs(str(tmp_path / "pairs.jsonl")) == [trl_pair(apply, r) for r in rows]
+    # a role the template cannot render is an error, not a line without its role
+    with pytest.raises(Exception, match="system, user and assistant"):
+        apply(msgs(("tool", "42")))
 
 
 def test_estimate_flops_matches_flop_counter():
@@ -907,6 +1013,13 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
     (json.dumps(dict(prompt=U, chosen=msgs(("user", "b")), rejected=A)),
      '"chosen" and "rejected" must each answer the prompt with an assistant message'),
     (json.dumps(dict(chosen=U + A, rejected=U + A + U + A)), "must each answer the prompt"),
+    # implicit-prompt conversations may hold other fields, but not a bad message, nor no prompt
+    (json.dumps(dict(chosen=U + msgs(("bot", "b")), rejected=U + A, score=1)), "chosen[1] is {"),
+    (json.dumps(dict(promt=U, chosen=A, rejected=msgs(("assistant", "no")))),
+     'no "prompt" field, and the conversations share no first message'),
+    # a prompt that ends with an assistant turn: the responses still answer as the assistant
+    (json.dumps(dict(prompt=U + A, chosen=A, rejected=msgs(("user", "b")))),
+     "must each answer the prompt"),
     (json.dumps(dict(chosen=U + A, rejected=msgs(("user", "yo")) + A)),
      'no "prompt" field, and the conversations share no first message'),
     (json.dumps(dict(prompt=U, chosen=msgs(("assistant", "<|endoftext|>")), rejected=A)),
@@ -988,14 +1101,22 @@ def test_read_pairs_conversational_rows_use_the_one_template(tmp_path):
                                      ("assistant", "Yes.")),
                  rejected=sys_u + msgs(("assistant", "Maybe."))),
             dict(chosen=abc + msgs(("assistant", "d")), rejected=abc + msgs(("assistant", "e"))),
-            dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away")]  # strings
+            dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away"),  # strings
+            # a prompt that ends with an assistant turn gets no "\nAssistant:" of its own: as TRL
+            # (continue_final_message), each response follows it as the next message
+            dict(prompt=abc[:2], chosen=msgs(("assistant", "c")),
+                 rejected=msgs(("assistant", "d"))),
+            dict(chosen=abc[:2] + msgs(("assistant", "c")),
+                 rejected=abc[:2] + msgs(("assistant", "d")))]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     x = "System: Be brief.\nUser: Rain today?\nAssistant:"
     assert data.read_pairs(str(tmp_path / "c.jsonl")) == [
         dict(prompt=x, chosen=" No.", rejected=" Yes."),
         dict(prompt=x, chosen=" No.\nUser: Sure?\nAssistant: Yes.", rejected=" Maybe."),
         dict(prompt="User: a\nAssistant: b\nUser: c\nAssistant:", chosen=" d", rejected=" e"),
-        dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away")]
+        dict(prompt="User: hi\nAssistant:", chosen=" hello", rejected=" go away"),
+        *[dict(prompt="User: a\nAssistant: b", chosen="\nAssistant: c",
+               rejected="\nAssistant: d")] * 2]
     # the same template renders SFT text ({"messages"} rows) and prompts: a pair's prompt + chosen
     # is the SFT text of the whole conversation, token for token (the boundary is at a word start)
     (tmp_path / "t.jsonl").write_text(json.dumps({"messages": rows[1]["chosen"]}) + "\n" +
@@ -1004,11 +1125,22 @@ def test_read_pairs_conversational_rows_use_the_one_template(tmp_path):
     assert texts == [x + " No.\nUser: Sure?\nAssistant: Yes.", "one\ntext"]
     tok = data.train_tokenizer(texts * 10, vocab_size=300)
     assert tok.encode(x) + tok.encode(" No.\nUser: Sure?\nAssistant: Yes.") == tok.encode(texts[0])
-    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": sys_u}) + "\n")
-    assert data.read_prompts(str(tmp_path / "p.jsonl")) == [x]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": sys_u}) + "\n" +
+                                      json.dumps({"prompt": abc[:2]}) + "\n")
+    assert data.read_prompts(str(tmp_path / "p.jsonl")) == [x, "User: a\nAssistant: b"]
     (tmp_path / "t.jsonl").write_text('{"text": "a"}\n{"txt": "b"}\n')
     with pytest.raises(data.DataError, match=f'^{tmp_path}/t.jsonl:2: missing field "text"'):
         data.read_texts(str(tmp_path / "t.jsonl"))
+
+def test_read_pairs_implicit_conversations_ignore_other_fields(tmp_path):
+    # as TRL's preference datasets with an implicit prompt (e.g. scores beside the conversations):
+    # the prompt is the messages both begin with, other fields are ignored as TRL ignores them
+    q, yes, no = msgs(("user", "Rain?")), msgs(("assistant", "No.")), msgs(("assistant", "Yes"))
+    rows = [dict(chosen=q + yes, rejected=q + no, score_chosen=8.5, score_rejected=3.0, id="x"),
+            dict(chosen=q + yes, rejected=q + no)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert data.read_pairs(str(tmp_path / "c.jsonl")) == [
+        dict(prompt="User: Rain?\nAssistant:", chosen=" No.", rejected=" Yes")] * 2
 
 EXAMPLE = os.path.join(HERE, "examples", "dialogue_pairs.jsonl")
 
