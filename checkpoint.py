@@ -19,11 +19,11 @@ import time
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from tokenizers import Tokenizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from plumbing import atomic_write_text, barrier, check, main_decides, precision
+from plumbing import atomic_write_text, barrier, check, main_decides, precision, written
 from model import save_model
 
 # -----------------------------------------------------------------------------
@@ -111,15 +111,9 @@ def atomic_write_json(path, obj):
 
 def atomic_copy(src, dst):
     """src's bytes to dst, through a temp file and a rename, as atomic_write_text."""
-    shutil.copyfile(src, dst + ".tmp")
-    os.replace(dst + ".tmp", dst)
-
-
-def file_mode():
-    """The mode open() gives a new file: 0666 less the umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+    with written(dst):
+        shutil.copyfile(src, dst + ".tmp")
+        os.replace(dst + ".tmp", dst)
 
 
 # --fsdp: whole tensors from shards, and shards from whole tensors
@@ -155,12 +149,14 @@ def shard_like(full, like):
 
 
 def save_safetensors(tensors, path, metadata):
-    """safetensors' save_file to path + ".tmp", then renamed into place, with the mode open() would
-    give it, as the JSON beside it: save_file's own temp file is created 0600 and keeps that
-    mode."""
-    save_file(tensors, path + ".tmp", metadata=metadata)
-    os.chmod(path + ".tmp", file_mode())
-    os.replace(path + ".tmp", path)
+    """safetensors bytes to path + ".tmp", then renamed into place. Written by open(), as
+    model.save_model does: the file gets the mode the umask gives (save_file's own temp file is
+    0600), and a full disk is an OSError that `written` reports (save_file raises its own error
+    type, which names its hidden temp file instead)."""
+    with written(path):
+        with open(path + ".tmp", "wb") as f:
+            f.write(save(tensors, metadata=metadata))
+        os.replace(path + ".tmp", path)
 
 
 def save_checkpoint(ckpt_dir, step, parts, state, write=True):
@@ -329,7 +325,8 @@ def save_outputs(model, out_dir, meta, result, d, tokenizer=None):
     next)."""
     weights = full_state(model, d.is_main)
     if d.is_main:
-        save_model(model, os.path.join(out_dir, "model.safetensors"), meta, weights)
+        with written(os.path.join(out_dir, "model.safetensors")):
+            save_model(model, os.path.join(out_dir, "model.safetensors"), meta, weights)
         if tokenizer:
             atomic_copy(tokenizer, os.path.join(out_dir, "tokenizer.json"))
         atomic_write_json(os.path.join(out_dir, "eval.json"), result)

@@ -86,12 +86,15 @@ def _lines(path):
                 line = raw.decode("utf-8-sig" if n == 1 else "utf-8").rstrip("\r\n")
             except UnicodeDecodeError:
                 raise DataError(f"{path}:{n}: not UTF-8 text") from None
+            if "\r" in line:  # JSON never holds a raw CR, and a text line should not either
+                raise DataError(f"{path}:{n}: a carriage return (\\r) inside a line: the file "
+                                "has old Mac line endings (CR only)? Convert them to \\n")
             if line.strip():
                 yield n, line
 
 def _json_type(v):
-    return {bool: "a boolean", int: "a number", float: "a number", list: "an array",
-            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "an array", dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
 
 def _json_row(path, n, line):
     def no_repeats(items):  # json.loads would keep a repeated key's last value: a silent misread
@@ -162,12 +165,24 @@ def _field(path, n, row, key):
         raise DataError(f'{path}:{n}: field "{key}" must be a string or a list of messages, got '
                         f'{"an empty array" if v == [] else _json_type(v)}')
     for i, m in enumerate(v):
-        if (not isinstance(m, dict) or set(m) != {"role", "content"} or m["role"] not in list(ROLES)
-                or not isinstance(m["content"], str)):
-            raise DataError(f'{path}:{n}: {key}[{i}] is {json.dumps(m)[:50]}: the template renders '
+        problem = _message_problem(m)
+        if problem:
+            raise DataError(f'{path}:{n}: {key}[{i}] {problem}: the template renders '
                             f'{{"role": "system", "user" or "assistant", "content": a string}}')
         _text(path, n, m["content"], f"{key}[{i}]")
     return v
+
+def _message_problem(m):
+    """What is wrong with one message, said whole (not the message cut short), or None."""
+    if not isinstance(m, dict):
+        return f"is {_json_type(m)}, not an object"
+    if set(m) != {"role", "content"}:
+        return f'has the keys {", ".join(json.dumps(k) for k in m) or "none"}'
+    if m["role"] not in ROLES:
+        return f'has the role {json.dumps(m["role"])}'
+    if not isinstance(m["content"], str):
+        return f'has a content that is {_json_type(m["content"])}'
+    return None
 
 def _nonempty(path, rows, what):
     if not rows:
@@ -211,8 +226,13 @@ def read_pairs(path):
             x = render_prompt(p)
             p, c, r = x, render(p + c)[len(x):], render(p + r)[len(x):]
         for key, v in (("chosen", c), ("rejected", r)):
-            if not v:
-                raise DataError(f'{path}:{n}: field "{key}" is empty')
+            if not v.strip():  # an empty assistant message renders as " "
+                what = "empty" if not v else "only whitespace (an empty assistant message?)"
+                raise DataError(f'{path}:{n}: field "{key}" is {what}: nothing to prefer')
+        if p is not None and p.strip() and all(v.lstrip().startswith(p.strip()) for v in (c, r)):
+            raise DataError(f'{path}:{n}: "chosen" and "rejected" both begin with the prompt: full '
+                            f'texts beside a "prompt" field? Give the responses without it, or '
+                            f'drop "prompt" (the texts\' common opening is then the prompt)')
         if p is None:
             k = len(os.path.commonprefix([c, r]))
             cut = max((i for i in range(k) if c[i].isspace()), default=0)
@@ -223,6 +243,27 @@ def read_pairs(path):
         out.append(dict(prompt=p, chosen=c, rejected=r))
     return _nonempty(path, out, "rows")
 
+def _plain_lines(path, what):
+    """The lines of a plain-text file, each one text; a line that is a JSON object means the file
+    is JSONL under another name, whose rows would be used literally, braces and all."""
+    out = []
+    for n, s in _lines(path):
+        if s.lstrip().startswith("{"):
+            try:
+                is_row = isinstance(json.loads(s), dict)
+            except json.JSONDecodeError:
+                is_row = False
+            if is_row:
+                raise DataError(f"{path}:{n}: the line is a JSON object, but a file whose name "
+                                f"does not end in .jsonl is read as plain text, a {what} per line "
+                                f"(braces and all): name it .jsonl")
+        out.append(_text(path, n, s, "the line"))
+    return out
+
+def row_lines(path):
+    """The line number of each row read_pairs (or read_prompts) returns: one per non-blank line."""
+    return [n for n, _ in _lines(path)]
+
 def read_prompts(path):
     """JSONL rows {"prompt": a string or messages} when the name ends in .jsonl (messages rendered
     by render_prompt), else plain text, a prompt per line."""
@@ -230,13 +271,13 @@ def read_prompts(path):
         ps = [_field(path, n, _json_row(path, n, line), "prompt") for n, line in _lines(path)]
         return _nonempty(path, [p if isinstance(p, str) else render_prompt(p) for p in ps],
                          "prompts")
-    return _nonempty(path, [_text(path, n, s, "the line") for n, s in _lines(path)], "prompts")
+    return _nonempty(path, _plain_lines(path, "prompt"), "prompts")
 
 def read_texts(path):
     """SFT text: JSONL rows {"text": str} or {"messages": [...]} (rendered by the template) when
     the name ends in .jsonl (a text may then hold newlines), else plain text, a text per line."""
     if not path.endswith(".jsonl"):
-        return _nonempty(path, [_text(path, n, s, "the line") for n, s in _lines(path)], "texts")
+        return _nonempty(path, _plain_lines(path, "text"), "texts")
     out = []
     for n, line in _lines(path):
         row = _json_row(path, n, line)
@@ -262,6 +303,12 @@ def truncate_prompt(ids, n):
     evaluate.py, reward.py's offset); tokenize_pairs cuts pairs' prompts the same way."""
     assert n >= 2, f"a prompt keeps its BOS and at least one token, not n={n}"
     return ids if len(ids) <= n else ids[:1] + ids[len(ids) - n + 1:]
+
+def encode_prompts(tok, texts, n):
+    """Each prompt text as ids cut to at most n tokens (truncate_prompt); returns (ids, how many
+    were cut), the count for the stage to say."""
+    ids = [encode_prompt(tok, t) for t in texts]
+    return [truncate_prompt(x, n) for x in ids], sum(len(x) > n for x in ids)
 
 def tokenize_pairs(tok, rows, max_len, max_prompt_len):
     """Rows {"prompt","chosen","rejected"} -> examples dict(index, prompt, chosen, rejected) of

@@ -6,6 +6,7 @@ learning-rate schedule, the precision rule, and the weight broadcast to a rollou
 import argparse
 import contextlib
 import dataclasses
+import errno
 import inspect
 import json
 import math
@@ -260,11 +261,29 @@ def split_batch(batch_size, micro_batch_size, world):
     return per_rank // min(micro_batch_size, per_rank)
 
 
+@contextlib.contextmanager
+def written(path):
+    """Around a write of path through path + ".tmp": an OSError (a full disk, a quota, a mount gone
+    read-only) removes the temp file and stops the run with the path and the reason, not a
+    traceback; the file as it was before stays."""
+    try:
+        yield
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise SystemExit(f"error: cannot write {path}: "
+                         f"{'no space left on the device' if full else e.strerror}; nothing was "
+                         "left half-written. Free space (or pick another folder) and run again: a "
+                         "run resumes from its last checkpoint") from None
+
+
 def atomic_write_text(path, text):
     """path holds text, or what it held before: written to path + ".tmp", then renamed."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)  # readers see the old file or the new one, never half of one
+    with written(path):
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)  # readers see the old file or the new one, never half
 
 
 # -----------------------------------------------------------------------------
@@ -301,7 +320,20 @@ class Logger:
         kept = []
         if step > 0 and os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if json.loads(line).get("step", 0) <= step]
+                lines = f.readlines()
+            for n, line in enumerate(lines, 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    # a kill (or a full disk) mid-write tears the last line only
+                    check(n == len(lines), f"{self.path}:{n}: not a JSON line; only the last line "
+                          "may be torn (by a kill mid-write): mend or remove this one")
+                    print(f"warning: dropped the torn last line of {self.path} (line {n}, "
+                          f"{len(line)} characters, written by a run that was stopped mid-write)",
+                          flush=True)
+                    continue
+                if row.get("step", 0) <= step:
+                    kept.append(line)
         atomic_write_text(self.path, "".join(kept))
 
     def log(self, step, total, metrics, show):
@@ -309,7 +341,7 @@ class Logger:
         and the time left."""
         if not self.is_main:
             return
-        with open(self.path, "a") as f:
+        with written(self.path), open(self.path, "a") as f:  # torn by a kill: start() drops it
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         eta = (time.time() - self.t0) / max(step - self.step0, 1) * (total - step)
         parts = [f"{k} {metrics[k]:.4g}" for k in show if k in metrics]

@@ -298,7 +298,10 @@ def setup(cfg, d, log):
     tok = data.load_tokenizer(tok_path)
     require_same_tokenizer(cfg.reward_model, "--reward_model", tok_path)  # the critic's start too
     texts = data.read_prompts(cfg.prompts)
-    prompts = [data.truncate_prompt(data.encode_prompt(tok, t), cfg.max_prompt_len) for t in texts]
+    prompts, cut = data.encode_prompts(tok, texts, cfg.max_prompt_len)
+    if cut:
+        log(f"{cut} of {len(prompts)} prompts of {cfg.prompts} are longer than --max_prompt_len "
+            f"{cfg.max_prompt_len} tokens: each keeps its BOS and its last tokens")
     check(len(prompts) >= cfg.rollout_batch, f"{cfg.prompts} has {len(prompts)} prompts, fewer "
           f"than --rollout_batch {cfg.rollout_batch}")
     # what the weights are trained from: a resumed run checks it is the same

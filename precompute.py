@@ -60,12 +60,16 @@ def check_own_inputs(cfg, more=()):
     generator writes (a regime's, e.g. out/task-capped) may use the built-in π_ref."""
     if same(cfg.train_pairs, Config.train_pairs) or not os.path.exists(cfg.train_pairs):
         return  # the built-in task, or a missing file, which require_stage names
-    if task.task_prompts([r["prompt"] for r in data.read_pairs(cfg.train_pairs)]):
+    prompts = [r["prompt"] for r in data.read_pairs(cfg.train_pairs)]
+    if task.task_prompts(prompts):
         return  # the task's generator writes these prompts: a regime's pairs
+    foreign = [n for n, p in zip(data.row_lines(cfg.train_pairs), prompts)
+               if not task.task_prompts([p])]
     left = [flag for flag, path, default in [("--ref_model", cfg.ref_model, Config.ref_model),
                                              ("--val_pairs", cfg.val_pairs, Config.val_pairs),
                                              *more] if same(path, default)]
-    check(not left, f"--train_pairs {cfg.train_pairs} is not the built-in task's text, but "
+    check(not left, f"--train_pairs {cfg.train_pairs} is not the built-in task's text "
+          f"({len(foreign)} of {len(prompts)} rows are not, the first at line {foreign[0]}), but "
           f"{', '.join(left)} {'is' if len(left) == 1 else 'are'} still the built-in task's (its "
           "π_ref's tokenizer and weights know only its synthetic language). Make yours from your "
           f"file: python data.py own {cfg.train_pairs} --out out/own, which prints the sft.py and "

@@ -982,7 +982,7 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
     ('{"prompt": "a", "chosen": 3, "rejected": " c"}',
      'field "chosen" must be a string or a list of messages, got a number'),
     ('{"prompt": "a", "chosen": " b", "rejected": ["c"]}',
-     'rejected[0] is "c": the template renders'),
+     'rejected[0] is a string, not an object: the template renders'),
     ('{"prompt": "a", "chosen": "", "rejected": " c"}', 'field "chosen" is empty'),
     ('{"prompt": "a", "chosen": " c", "rejected": ""}', 'field "rejected" is empty'),
     ('{"prompt": "a", "chosen": " b", "rejected": " b"}', '"chosen" and "rejected" are identical'),
@@ -1002,10 +1002,11 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
      'field "prompt" holds a lone surrogate escape'),
     # conversational rows (TRL's format) the template cannot render
     (json.dumps(dict(prompt=msgs(("tool", "x")), chosen=A, rejected=msgs(("assistant", "no")))),
-     'prompt[0] is {"role": "tool", "content": "x"}: the template renders'),
+     'prompt[0] has the role "tool": the template renders'),
     (json.dumps(dict(prompt=U, chosen=[{"role": "assistant", "content": "b", "name": "x"}],
-                     rejected=A)), "chosen[0] is {"),
-    (json.dumps(dict(prompt=U, chosen=A, rejected=msgs(("assistant", 3)))), "rejected[0] is {"),
+                     rejected=A)), 'chosen[0] has the keys "role", "content", "name": the'),
+    (json.dumps(dict(prompt=U, chosen=A, rejected=msgs(("assistant", 3)))),
+     "rejected[0] has a content that is a number"),
     (json.dumps(dict(prompt=[], chosen=A, rejected=A)), 'field "prompt" must be a string or a list '
      'of messages, got an empty array'),
     (json.dumps(dict(prompt="hi", chosen=A, rejected=msgs(("assistant", "no")))),
@@ -1014,7 +1015,8 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
      '"chosen" and "rejected" must each answer the prompt with an assistant message'),
     (json.dumps(dict(chosen=U + A, rejected=U + A + U + A)), "must each answer the prompt"),
     # implicit-prompt conversations may hold other fields, but not a bad message, nor no prompt
-    (json.dumps(dict(chosen=U + msgs(("bot", "b")), rejected=U + A, score=1)), "chosen[1] is {"),
+    (json.dumps(dict(chosen=U + msgs(("bot", "b")), rejected=U + A, score=1)),
+     'chosen[1] has the role "bot"'),
     (json.dumps(dict(promt=U, chosen=A, rejected=msgs(("assistant", "no")))),
      'no "prompt" field, and the conversations share no first message'),
     # a prompt that ends with an assistant turn: the responses still answer as the assistant
@@ -1026,6 +1028,18 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
      "chosen[0] contains <|endoftext|>"),
     ('{"prompt": [{"role": "user", "role": "assistant", "content": "x"}], "chosen": " b"}',
      'key "role" appears twice'),
+    # data that parses but means nothing
+    ('{"prompt": "a", "chosen": "  ", "rejected": " c"}', 'field "chosen" is only whitespace'),
+    (json.dumps(dict(prompt=U, chosen=msgs(("assistant", "")), rejected=A)),
+     'field "chosen" is only whitespace (an empty assistant message?)'),
+    ('{"prompt": "the plot", "chosen": "the plot is good", "rejected": "the plot is bad"}',
+     '"chosen" and "rejected" both begin with the prompt: full texts beside a "prompt" field?'),
+    # the problem named whole, where a message cut at 50 characters hid it
+    (json.dumps(dict(prompt=msgs(("user", "x" * 60)) + [{"role": "user", "content": "y" * 60,
+                                                         "Content": "z"}], chosen=A, rejected=A)),
+     'prompt[1] has the keys "role", "content", "Content"'),
+    ('{"prompt": "a", "chosen": " b", "rejected": " c"}\r{"prompt": "a", "chosen": " b"}',
+     "a carriage return (\\r) inside a line: the file has old Mac line endings (CR only)?"),
 ])
 def test_read_pairs_bad_rows_name_file_and_line(tmp_path, bad, says):
     path = tmp_path / "pairs.jsonl"
@@ -1052,6 +1066,25 @@ def test_read_files_other_errors(tmp_path):
     p = tmp_path / "prompts.txt"
     p.write_text("it felt\n\n the plot is \r\n")
     assert data.read_prompts(str(p)) == ["it felt", " the plot is "]
+
+def test_plain_text_of_json_rows_and_one_foreign_row_are_named_by_line(tiny, tmp_path):
+    p = tmp_path / "prompts.txt"  # JSONL under a .txt name: each row would be a prompt, braces in
+    p.write_text("the plot is good .\n" + json.dumps({"prompt": "the plot is"}) + "\n")
+    for read in (data.read_prompts, data.read_texts):
+        says = f"{p}:2: the line is a JSON object, but a file whose name does not end in .jsonl"
+        with pytest.raises(data.DataError, match=re.escape(says)):
+            read(str(p))
+    p.write_text("{curly} is a word here .\n")  # not a JSON object: plain text, as written
+    assert data.read_prompts(str(p)) == ["{curly} is a word here ."]
+    # the built-in task's pairs with one row of other text: that row's line is named
+    lines = open(f"{tiny.task}/pairs_train.jsonl").read().splitlines()[:20]
+    lines[6] = json.dumps({"prompt": "hello world ?", "chosen": " hi", "rejected": " go"})
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = precompute.Config(train_pairs=str(tmp_path / "pairs.jsonl"))
+    says = "is not the built-in task's text (1 of 20 rows are not, the first at line 7), but --ref"
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        precompute.check_own_inputs(cfg)
+
 
 def test_read_pairs_full_texts_variant(tmp_path):
     rows = [{"chosen": "Human: hi Assistant: hello there",
@@ -1214,14 +1247,14 @@ def test_own_data_path_builds_its_own_cache_and_leaves_the_builtin_one(tmp_path,
     out = capsys.readouterr().out
     assert f"{precompute.cache_dir(pc)}/train.safetensors is missing: building it now" in out
     assert files(builtin) == before and sorted(f.name for f in files(own)) == [
-        "train.safetensors", "val.safetensors"]
+        ".lock", "train.safetensors", "val.safetensors"]
     built = files(own)
     # the same inputs: the same cache, reused (one step is enough to have read it)
     dpo.main(replace(dcfg, out_dir="out/own/dpo2", stop_after=1))
     assert "is missing" not in capsys.readouterr().out and files(own) == built
     precompute.main(pc)  # what `python precompute.py --ref_model ... --train_pairs ...` runs
     assert files(builtin) == before and files(own).keys() == built.keys()
-    assert all(files(own)[f][1] > built[f][1] for f in built)  # rewritten, in the same place
+    assert all(files(own)[f][1] > built[f][1] for f in built if f.name != ".lock")  # rewritten
     # your pairs with the built-in π_ref (or val pairs, or prompts): the commands that make yours
     for cfg in (replace(dcfg, ref_model=dpo.Config.ref_model),
                 replace(dcfg, eval_prompts=dpo.Config.eval_prompts),
@@ -1305,6 +1338,23 @@ def test_one_prompt_truncation_rule_keeps_bos(tok, monkeypatch):
     for prompts in seen:
         assert prompts == [data.truncate_prompt(x, 32), data.encode_prompt(tok, "it felt good .")]
         assert prompts[0][0] == tok.eos and prompts[0][1:] == x[-31:]
+
+
+def test_ppo_and_online_dpo_say_how_many_prompts_they_cut(tiny, tiny_rm, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the movie is great .\n" * 6 + " ".join(["the plot is bad ."] * 6) + "\n"
+                       + "i loved it .\n")
+    said = []
+    cfg = tiny_ppo_config(tiny, str(tiny_rm / "model.safetensors"), tmp_path / "ppo", str(prompts),
+                          prompts=str(prompts), max_prompt_len=12)
+    ocfg = online_dpo.Config(out_dir=str(tmp_path / "online"), sft=cfg.sft, reward="true",
+                             prompts=str(prompts), eval_prompts=str(prompts), rollout_batch=8,
+                             max_prompt_len=12)
+    for stage, c in ((ppo, cfg), (online_dpo, ocfg)):
+        _, _, _, ids, _ = stage.setup(c, CPU, said.append)
+        assert [len(x) for x in ids].count(12) == 1 and max(map(len, ids)) == 12
+    assert said.count(f"1 of 8 prompts of {prompts} are longer than --max_prompt_len 12 tokens: "
+                      "each keeps its BOS and its last tokens") == 2
 
 
 def test_tokenize_texts(tok):
@@ -1744,6 +1794,27 @@ def test_grouped_micro_batches_with_targets_only_give_todays_loss_and_gradients(
 
 # -----------------------------------------------------------------------------
 # the training loop
+
+
+def test_held_out_loss_is_the_configured_loss(tiny):
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    val, _ = data.tokenize_pairs(tok, data.read_pairs(f"{tiny.task}/pairs_val.jsonl")[:12], 64, 16)
+    ref = load_model(f"{tiny.sft}/model.safetensors", "cpu")[0].eval()
+    policy = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    b = data.collate_pairs(val, tok.pad)
+    with torch.no_grad():
+        logps = [pair_logps(m, b["input_ids"], b["targets"]).chunk(2) for m in (policy, ref)]
+    seen = {}
+    for kw in (dict(loss="sigmoid"), dict(loss="ipo"), dict(loss="sigmoid", label_smoothing=0.2)):
+        cfg = replace(dpo.Config(), beta=0.3, micro_batch_size=5, **kw)  # 3 micro-batches
+        want = dpo.dpo_loss(*logps[0], *logps[1], cfg.beta, cfg.loss, cfg.label_smoothing)[0]
+        loss, _ = dpo.evaluate_pairs(policy, ref, None, val, cfg, init_distributed(), tok.pad)
+        assert loss == pytest.approx(want.mean().item(), rel=1e-5), kw
+        seen[str(kw)] = loss
+    assert len({round(v, 4) for v in seen.values()}) == 3  # three losses, three numbers
 
 
 def test_step_zero_policy_equals_reference(tiny, dpo_cache):  # noqa: F811
@@ -2270,6 +2341,19 @@ def test_reward_two_ranks_equal_one_process(tiny, tiny_rm, tmp_path):
         assert abs(ea[k] - eb[k]) <= TWO_RANK_TOL, k
 
 
+def test_reward_offset_makes_pi_refs_completions_score_zero_on_average(tiny, tiny_rm):
+    # the folded offset, read back: r_φ on the same π_ref completions (the same samples on any
+    # world size) now averages 0, and before the fold it averaged the saved offset
+    args = reward_args(tiny, tiny_rm)
+    r_phi = load_model(str(tiny_rm / "model.safetensors"), "cpu", head="scalar")[0].eval()
+    ref = load_model(args["sft"], "cpu")[0].eval()
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    prompts = data.read_prompts(args["prompts"])[:args["offset_samples"]]
+    s = reward.ref_scores(r_phi, ref, tok, prompts, init_distributed(), reward.Config.seed)
+    offset = json.loads((tiny_rm / "eval.json").read_text())["offset"]
+    assert abs(offset) > 1e-3 and abs(s["r"] / s["n"]) <= 1e-5 * max(1, abs(offset))
+
+
 def test_ppo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_eval_prompts):
     root, rm = tiny.root / "ppo-test", str(tiny_rm / "model.safetensors")
     # One iteration of 2 epochs over one minibatch (whose rows are then the same on any world
@@ -2343,7 +2427,7 @@ def test_ppo_loop_wiring(tiny, tiny_rm, tmp_path, monkeypatch):
     spy("gen", ppo.generate, lambda a, kw, out: (copy.deepcopy(a[0]), a[1], kw, out))
     spy("gae", ppo.gae, lambda a, kw, out: a)
     spy("pg", ppo.ppo_policy_loss, lambda a, kw, out: (a[0].detach(), *a[1:4], *out[1:]))
-    spy("vf", ppo.ppo_value_loss, lambda a, kw, out: a[4])
+    spy("vf", ppo.ppo_value_loss, lambda a, kw, out: (a[2][a[3]], a[4]))  # returns, clip
     ppo.main(cfg)
     ref = load_model(cfg.sft, "cpu", head="lm")[0].eval()
     r_phi = load_model(rm, "cpu", head="scalar")[0].eval()
@@ -2386,7 +2470,11 @@ def test_ppo_loop_wiring(tiny, tiny_rm, tmp_path, monkeypatch):
         adv = torch.cat([a[m] for _, _, a, m, *_ in mine[:4]]).double()
         assert abs(adv.mean()) <= 1e-6 and abs(adv.std() - 1) <= 1e-5
         assert metrics["logprob_gap"] <= 1e-6  # the trainer's log-probs at T: the engine's
-    assert seen["vf"] and all(eps == cfg.cliprange_value for eps in seen["vf"])
+        # the critic's targets: GAE's returns, raw advantages + values (not the whitened ones)
+        got = torch.cat([ret for ret, _ in seen["vf"][it * calls:it * calls + 4]]).sort().values
+        want = ppo.gae(rewards, values, rmask, gamma, lam)[1][rmask].sort().values
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert seen["vf"] and all(eps == cfg.cliprange_value for _, eps in seen["vf"])
     # the final evaluation scores by the loop's own missing_eos_score
     ev = json.loads((tmp_path / "ppo" / "eval.json").read_text())
     assert 0 < ev["eos_rate"] < 1
@@ -2512,6 +2600,35 @@ def test_online_round_equals_dpo_step_on_the_same_pairs(tiny, monkeypatch):  # n
               "logps/chosen", "logps/rejected", "grad_norm", "lr"):
         assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)), k
     assert a[0]["kl"] == 0.0 and a[1]["kl"] != 0.0  # π = π_ref exactly in round 1, not after
+
+
+def test_online_dpo_trains_on_the_log_probs_it_sampled_from(tiny, monkeypatch, tmp_path):
+    # Each round's completions come from the rollout engine; the loss scores them with the policy.
+    # Both are one distribution only if the engine samples at the scoring temperature (1) and
+    # holds the policy's weights: round 1 pins the temperature, round 2 the weight broadcast
+    # (without it the engine is still π_ref while the policy has moved).
+    sampled, scored = [], []
+
+    def spy_generate(*a, **kw):
+        out = generate(*a, **kw)
+        sampled.append(torch.where(out["response_mask"], out["logprobs"], 0.0).sum(1))
+        return out
+
+    def spy_loss(pi_c, pi_r, ref_c, ref_r, *a, **kw):
+        scored.append((torch.cat([pi_c, pi_r]).detach(), torch.cat([ref_c, ref_r])))
+        return dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, *a, **kw)
+    monkeypatch.setattr(online_dpo, "generate", spy_generate)
+    monkeypatch.setattr(online_dpo, "dpo_loss", spy_loss)
+    online_dpo.main(online_dpo.Config(
+        out_dir=str(tmp_path / "online"), sft=f"{tiny.sft}/model.safetensors", reward="true",
+        prompts=f"{tiny.task}/prompts_train.jsonl", iterations=3, stop_after=2, rollout_batch=8,
+        micro_batch_size=4, lr=1e-2, warmup=0))  # stopped before the final evaluation
+    assert len(sampled) == 2 and len(scored) == 4  # 2 rounds x 2 micro-batches of 4 pairs
+    for r in range(2):
+        pi, ref = (torch.cat([x[k] for x in scored[2 * r:2 * r + 2]]) for k in (0, 1))
+        torch.testing.assert_close(pi.sort().values, sampled[r].sort().values, atol=1e-4,
+                                   rtol=1e-5)
+    assert (pi - ref).abs().max() > 1e-2  # round 2: the policy has moved off π_ref
 
 
 def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted(
@@ -3190,19 +3307,20 @@ def test_a_kill_during_a_checkpoint_write_leaks_nothing(tmp_path):
     net = torch.nn.Linear(4, 4)
     checkpoint.save_checkpoint(str(ckpt), 1, {"model": net}, {})
     # Killed mid-write for real: a file-size limit of 64 KiB, and SIGXFSZ's default action (Python
-    # ignores it), end the process inside safetensors' save_file of a 4 MiB tensor.
+    # ignores it), end the process inside the write of a 4 MiB tensor.
     code = ("import resource, signal, torch, checkpoint; signal.signal(signal.SIGXFSZ, "
             "signal.SIG_DFL); resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)); "
             f"checkpoint.save_checkpoint({str(ckpt)!r}, 2, {{'w': torch.zeros(1 << 20)}}, {{}})")
     p = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True)
     assert p.returncode == -25  # SIGXFSZ
-    # what it leaves: safetensors' own hidden temp file (.tmpXXXXXX), or ours
+    # what it leaves: our temp file (safetensors' save_file would leave its hidden .tmpXXXXXX)
     leaked = set(os.listdir(ckpt)) - {"latest.json", "step-0000001.safetensors"}
     assert leaked and all(checkpoint.STALE_TEMP.fullmatch(f) for f in leaked), leaked
     (ckpt / "notes.tmp").write_text("not ours")  # not a name we write: kept
     said = []
     checkpoint.prepare_outputs({str(ckpt): "--out_dir"}, CPU, said.append)
-    assert sorted(os.listdir(ckpt)) == ["latest.json", "notes.tmp", "step-0000001.safetensors"]
+    assert sorted(os.listdir(ckpt)) == [".lock", "latest.json", "notes.tmp",
+                                        "step-0000001.safetensors"]
     assert said == [f"removed temp files that a killed run left in {ckpt}: "
                     f"{', '.join(sorted(leaked))}"]
     assert checkpoint.checkpoint_state(str(ckpt))["step"] == 1  # the previous checkpoint, intact
@@ -3210,7 +3328,35 @@ def test_a_kill_during_a_checkpoint_write_leaks_nothing(tmp_path):
     (ckpt / ".tmpAb3dE9").write_bytes(b"x" * 100)
     (ckpt / "step-0000002.safetensors.tmp").write_bytes(b"x")
     checkpoint.save_checkpoint(str(ckpt), 3, {"model": net}, {})
-    assert sorted(os.listdir(ckpt)) == ["latest.json", "notes.tmp", "step-0000003.safetensors"]
+    assert sorted(os.listdir(ckpt)) == [".lock", "latest.json", "notes.tmp",
+                                        "step-0000003.safetensors"]
+
+
+def test_a_full_disk_names_the_file_and_leaves_no_temp_file(tmp_path, capsys):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here (Linux's device whose every write fails with ENOSPC)")
+    # path + ".tmp" made a link to /dev/full: the write fails as on a full disk, for real
+    writes = {"text": lambda p: plumbing.atomic_write_text(p, "new"),
+              "tensors": lambda p: checkpoint.save_safetensors({"w": torch.ones(4)}, p, {}),
+              "copy": lambda p: checkpoint.atomic_copy(__file__, p)}
+    for name, write in writes.items():
+        path = tmp_path / name
+        path.write_text("as it was")
+        os.symlink("/dev/full", f"{path}.tmp")
+        with pytest.raises(SystemExit) as e:
+            write(str(path))
+        assert str(e.value).startswith(f"error: cannot write {path}: no space left on the device;")
+        assert path.read_text() == "as it was" and not os.path.lexists(f"{path}.tmp"), name
+    # a torn last line of metrics.jsonl (a kill mid-write): dropped on resume, with a warning
+    log = plumbing.Logger(str(tmp_path), CPU)
+    rows = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n" + '{"step": 4, "lo')
+    log.start(3)
+    assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(rows) + "\n"
+    assert "warning: dropped the torn last line of" in capsys.readouterr().out
+    (tmp_path / "metrics.jsonl").write_text(rows[0] + "\n{torn\n" + rows[1] + "\n")  # not the last
+    with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not a JSON line; only the last line"):
+        log.start(3)
 
 
 def test_outputs_that_cannot_be_written_are_refused_before_any_work(tiny, dpo_cache,  # noqa: F811
