@@ -1974,6 +1974,9 @@ def test_stale_cache_is_refused(tiny, dpo_cache):  # noqa: F811
     precompute.main(c)
     cfg = dpo_cfg(tiny, "dpo-stale/run", ref_model=c.ref_model, train_pairs=c.train_pairs,
                   val_pairs=c.val_pairs, ref_logps=c.out_dir, steps=1)
+    spec = json.loads((own / "tokenizer.json").read_text())  # the same tokenizer, written compact:
+    (own / "tokenizer.json").write_text(json.dumps(spec, separators=(",", ":")))  # not stale
+    dpo.main(replace(cfg, out_dir=str(tiny.root / "dpo-stale" / "compact")))
     (own / "pairs.jsonl").write_text("".join(rows[:15] + rows[:1]))  # the data file changed
     with pytest.raises(SystemExit, match="stale.*the pairs file.*python precompute.py --out_dir"):
         dpo.main(cfg)
