@@ -3156,15 +3156,18 @@ def test_a_reward_model_of_another_tokenizer_is_refused_and_a_reformatted_one_is
         ppo.setup(cfg, CPU, print)
 
 
-def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tmp_path):
+def test_resume_refuses_a_checkpoint_of_other_inputs_and_names_them(tiny, tmp_path):
     ckpt, cfg, net = str(tmp_path), sft.Config(out_dir=str(tmp_path)), torch.nn.Linear(2, 2)
-    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
-    a.write_text("one\n"), b.write_text("two\n")
+    a, b = tmp_path / "a.txt", tmp_path / "b.tokenizer.json"
+    a.write_text("one\n"), shutil.copyfile(f"{tiny.task}/tokenizer.json", b)
     files = {"--train_text": str(a), "--tokenizer": str(b), "--init_from": ""}
     inputs = checkpoint.input_fingerprint(files, [[1, 2]])
     assert set(inputs) == {f"--train_text {a}", f"--tokenizer {b}", "token ids"}  # "": unused
     checkpoint.save_checkpoint(ckpt, 3, {"model": net}, {"config": asdict(cfg), "inputs": inputs})
     assert checkpoint.resume(ckpt, cfg, {"model": net}, "cpu", print, inputs)[0] == 3
+    # the same tokenizer written compact: the same inputs
+    b.write_text(json.dumps(json.loads(b.read_text()), separators=(",", ":")))
+    assert checkpoint.input_fingerprint(files, [[1, 2]]) == inputs
     a.write_text("one, edited\n")  # the data file changed: named with its sha256, and what to do
     changed = checkpoint.input_fingerprint(files, [[1, 3]])
     with pytest.raises(SystemExit, match=rf"other inputs, changed since: --train_text {a} \(sha256 "
