@@ -37,7 +37,7 @@ from checkpoint import (check_step, input_fingerprint, load_ref_logps, prepare_o
                         save_checkpoint, save_outputs, tokenizer_beside)
 from evaluate import evaluate_policy, print_samples, summary
 from meter import Meter, anatomy, batch_flops, format_anatomy, matmul_shapes, measure_peak_flops
-from model import freeze, load_model, pair_logps
+from model import IGNORE, freeze, load_model, pair_logps
 from plumbing import (Logger, adamw, autocast, barrier, check, gathered, init_distributed, lr_at,
                       parse_config, precision, reduce_sums, require_stage, set_lr, sharded,
                       split_batch, sync_grads, teardown, wrap)
@@ -60,6 +60,7 @@ class Config:
     loss: str = "sigmoid"  # "sigmoid": DPO, Eq. 7; "ipo": Azar et al. 2023, Eq. 17
     beta: float = 0.5  # the KL(π‖π_ref) constraint; implicit reward β log π/π_ref; IPO's τ
     label_smoothing: float = 0.0  # ε: chance a label is flipped: cDPO (Mitchell 2023), not rDPO
+    rpo_alpha: float = 0.0  # α of an NLL term on the chosen response (RPO); 0: plain DPO, taught
     max_len: int = 64  # tokens of prompt + response; the cache's fingerprint checks it
     max_prompt_len: int = 16  # a truncated prompt keeps at least this many tokens
     steps: int = 200  # optimizer steps: 3.2 epochs of the task's 4,000 pairs (tune.py: flat there)
@@ -84,7 +85,7 @@ class Config:
 
 
 def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta, loss="sigmoid",
-             label_smoothing=0.0):
+             label_smoothing=0.0, rpo_alpha=0.0, chosen_len=None):
     """Per-pair losses of DPO and its variants. All inputs (B,) summed response log-probs log π(y|x)
     of the chosen y_w and the rejected y_l. Returns losses (B,) and the implicit rewards
     r̂(x,y) = β log π(y|x)/π_ref(y|x) (Sec. 5 of Rafailov et al. 2023) of chosen and rejected,
@@ -107,18 +108,31 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta, loss="sigmo
                                                  that asks for the same margin here
     The gradient of the sigmoid loss (Sec. 4) is
         −β σ(r̂(x,y_l) − r̂(x,y_w)) [∇log π(y_w) − ∇log π(y_l)]:
-    a pair weighs more the more the implicit reward misorders it."""
+    a pair weighs more the more the implicit reward misorders it. Nothing in it stops both
+    log-probs from falling together while h grows, and the mass they lose can go to tokens neither
+    response holds (likelihood displacement, Razin et al. 2024), EOS among the first here.
+      + α · (−log π(y_w|x) / |y_w|)   with rpo_alpha α and chosen_len |y_w| (tokens, EOS included):
+                                       the length-normalised NLL of the chosen response, as Pang
+                                       et al. 2024 (iterative RPO; TRL's rpo_alpha averages over
+                                       the batch's chosen tokens instead): it holds log π(y_w) up"""
     h = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)
     if loss == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2  # regresses h onto 1/(2β) instead of pushing it to +∞
     else:
         losses = (-(1 - label_smoothing) * F.logsigmoid(beta * h)
                   - label_smoothing * F.logsigmoid(-beta * h))
+    if rpo_alpha:
+        losses = losses - rpo_alpha * pi_chosen / chosen_len
     r_chosen = beta * (pi_chosen - ref_chosen).detach()
     r_rejected = beta * (pi_rejected - ref_rejected).detach()
     return losses, r_chosen, r_rejected
 
 # ==== helpers the loop calls
+
+
+def chosen_len(targets):
+    """Tokens of each chosen response (EOS included) in a [chosen; rejected] batch: (B,)."""
+    return (targets != IGNORE).sum(1).chunk(2)[0]
 
 
 @torch.no_grad()
@@ -140,7 +154,7 @@ def evaluate_pairs(policy, ref, ref_logps, examples, cfg, d, pad):
                 ref_c, ref_r = (ref_logps[:, b["index"]].to(d.device) if ref is None
                                 else pair_logps(ref, x, y).chunk(2))
             losses, r_c, r_r = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta, cfg.loss,
-                                        cfg.label_smoothing)
+                                        cfg.label_smoothing, cfg.rpo_alpha, chosen_len(y))
             loss, correct, n = loss + losses.sum(), correct + (r_c > r_r).sum(), n + len(losses)
     s = reduce_sums(d, loss=loss, correct=correct, n=n)
     return s["loss"] / s["n"], s["correct"] / s["n"]
@@ -302,7 +316,7 @@ def main(cfg):
                 # divided by the global batch, x world as DDP averages over ranks: the gradient
                 # is the global batch's mean for any world size and accumulation.
                 losses, r_c, r_r = dpo_loss(pi_c, pi_r, *ref_lp[m], cfg.beta, cfg.loss,
-                                            cfg.label_smoothing)
+                                            cfg.label_smoothing, cfg.rpo_alpha, chosen_len(y))
                 (losses.sum() * d.world / cfg.batch_size).backward()
                 meter.lap("loss")  # the backward included
             meter.count(*batch_flops(policy.config, x, y, tok.pad, backward=True))

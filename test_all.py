@@ -1076,12 +1076,13 @@ def test_plain_text_of_json_rows_and_one_foreign_row_are_named_by_line(tiny, tmp
             read(str(p))
     p.write_text("{curly} is a word here .\n")  # not a JSON object: plain text, as written
     assert data.read_prompts(str(p)) == ["{curly} is a word here ."]
-    # the built-in task's pairs with one row of other text: that row's line is named
+    # the built-in task's pairs with two rows of other text: the first one's line is named
     lines = open(f"{tiny.task}/pairs_train.jsonl").read().splitlines()[:20]
-    lines[6] = json.dumps({"prompt": "hello world ?", "chosen": " hi", "rejected": " go"})
+    foreign = {"prompt": "hello world ?", "chosen": " hi", "rejected": " go"}
+    lines[6] = lines[11] = json.dumps(foreign)
     (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
     cfg = precompute.Config(train_pairs=str(tmp_path / "pairs.jsonl"))
-    says = "is not the built-in task's text (1 of 20 rows are not, the first at line 7), but --ref"
+    says = "is not the built-in task's text (2 of 20 rows are not, the first at line 7), but --ref"
     with pytest.raises(SystemExit, match=re.escape(says)):
         precompute.check_own_inputs(cfg)
 
@@ -1726,7 +1727,16 @@ def test_gradient_matches_the_papers_analytic_form():
     g_c, g_r = torch.autograd.grad(losses.sum(), (pi_c, pi_r))
     torch.testing.assert_close(g_c, 2 * (h - 1 / (2 * beta)))
     torch.testing.assert_close(g_r, -2 * (h - 1 / (2 * beta)))
-    for kw in (dict(), dict(label_smoothing=eps), dict(loss="ipo")):
+    # RPO: + α·(−log π(y_w)/|y_w|): the chosen side's gradient gains −α/|y_w|, the rejected's none
+    n = torch.randint(1, 30, (B,), generator=torch.Generator().manual_seed(1)).double()
+    losses, _, _ = dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta, rpo_alpha=0.7, chosen_len=n)
+    g_c, g_r = torch.autograd.grad(losses.sum(), (pi_c, pi_r))
+    torch.testing.assert_close(g_c, -beta * torch.sigmoid(-beta * h) - 0.7 / n)
+    torch.testing.assert_close(g_r, beta * torch.sigmoid(-beta * h))
+    plain = dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, beta)[0]
+    torch.testing.assert_close(losses, plain - 0.7 * pi_c / n)  # the value: DPO's plus α·NLL/token
+    for kw in (dict(), dict(label_smoothing=eps), dict(loss="ipo"),
+               dict(rpo_alpha=0.7, chosen_len=n)):
         assert torch.autograd.gradcheck(lambda a, b, c, d: dpo.dpo_loss(a, b, c, d, beta, **kw)[0],
                                         (pi_c, pi_r, ref_c.requires_grad_(),
                                          ref_r.requires_grad_()))
@@ -1808,13 +1818,15 @@ def test_held_out_loss_is_the_configured_loss(tiny):
     with torch.no_grad():
         logps = [pair_logps(m, b["input_ids"], b["targets"]).chunk(2) for m in (policy, ref)]
     seen = {}
-    for kw in (dict(loss="sigmoid"), dict(loss="ipo"), dict(loss="sigmoid", label_smoothing=0.2)):
+    for kw in (dict(loss="sigmoid"), dict(loss="ipo"), dict(loss="sigmoid", label_smoothing=0.2),
+               dict(rpo_alpha=0.5)):
         cfg = replace(dpo.Config(), beta=0.3, micro_batch_size=5, **kw)  # 3 micro-batches
-        want = dpo.dpo_loss(*logps[0], *logps[1], cfg.beta, cfg.loss, cfg.label_smoothing)[0]
+        want = dpo.dpo_loss(*logps[0], *logps[1], cfg.beta, cfg.loss, cfg.label_smoothing,
+                            cfg.rpo_alpha, dpo.chosen_len(b["targets"]))[0]
         loss, _ = dpo.evaluate_pairs(policy, ref, None, val, cfg, init_distributed(), tok.pad)
         assert loss == pytest.approx(want.mean().item(), rel=1e-5), kw
         seen[str(kw)] = loss
-    assert len({round(v, 4) for v in seen.values()}) == 3  # three losses, three numbers
+    assert len({round(v, 4) for v in seen.values()}) == 4  # four losses, four numbers
 
 
 def test_step_zero_policy_equals_reference(tiny, dpo_cache):  # noqa: F811
@@ -1830,6 +1842,25 @@ def test_step_zero_policy_equals_reference(tiny, dpo_cache):  # noqa: F811
             assert m["rewards/accuracies"] == 0.0  # no pair is ordered yet (strict >, as TRL)
         assert (abs(m["rewards/chosen"]) <= tol and abs(m["rewards/rejected"]) <= tol
                 and abs(m["rewards/margins"]) <= tol)
+
+
+def test_rpo_step_zero_adds_alpha_times_the_chosen_nll_per_token(tiny, dpo_cache):  # noqa: F811
+    # one batch of all 16 pairs, π = π_ref: the DPO part is ln 2, and the NLL is π_ref's own
+    rows = open(tiny.root / "dpo-data/pairs_train.jsonl").readlines()[:16]
+    (tiny.root / "dpo-rpo").mkdir()
+    (tiny.root / "dpo-rpo/pairs.jsonl").write_text("".join(rows))
+    cfg = dpo_cfg(tiny, "dpo-rpo/run", ref="live", steps=2, stop_after=1, rpo_alpha=0.7,
+                  train_pairs=str(tiny.root / "dpo-rpo/pairs.jsonl"))
+    dpo.main(cfg)
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    examples, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
+                                      cfg.max_prompt_len)
+    b = data.collate_pairs(examples, tok.pad)
+    with torch.no_grad():
+        ref_c, _ = pair_logps(load_model(cfg.ref_model)[0].eval(), b["input_ids"],
+                              b["targets"]).chunk(2)
+    nll = (-ref_c / dpo.chosen_len(b["targets"])).mean().item()
+    assert dpo_metrics(cfg.out_dir)[0]["loss"] == pytest.approx(math.log(2) + 0.7 * nll, rel=1e-6)
 
 
 def test_cached_equals_live(tiny, dpo_cache):  # noqa: F811
