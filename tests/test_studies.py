@@ -1,8 +1,8 @@
-"""The studies' tests (study/: compare, costs, tune, gpu), moved out of test_all.py: the statistics
-over seeds, the cost model against measured tensors and counted FLOPs, the tuning grid, a tiny
-sweep end to end (and resumed under torchrun), the per-rank bytes under DDP and FSDP, the GPU
-command on a CPU, RESULTS.md's sections, the KV-cache benchmark and the figure. The fixtures and
-helpers they need are test_all.py's.
+"""The studies' tests (study/: compare, costs, tune, gpu, eos), moved out of test_all.py: the
+statistics over seeds, the cost model against measured tensors and counted FLOPs, the tuning grid, a
+tiny sweep end to end (and resumed under torchrun), the per-rank bytes under DDP and FSDP, the GPU
+command on a CPU, RESULTS.md's sections, the KV-cache benchmark, the EOS study and the figure. The
+fixtures and helpers they need are test_all.py's.
 
     pytest tests/test_studies.py
 """
@@ -16,12 +16,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+import data
 import dpo
 import ppo
 import precompute
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, load_model
 from plumbing import init_distributed
-from study import compare, costs, figure, gpu, results, tune
+from study import compare, costs, eos, figure, gpu, results, tune
 from test_all import dpo_cfg, dpo_weights, run_torchrun  # its fixtures come through conftest.py
 
 # ==================================================================================================
@@ -331,6 +332,36 @@ def test_kv_cache_benchmark_checks_its_tokens_and_writes_its_line(tmp_path):
     text = (tmp_path / "RESULTS.md").read_text()
     assert text.startswith("<!-- begin kv_cache -->\n- Command: `python -m study.kv_cache")
     assert "64 new tokens, batch 16, prompt 16," in text and "faster with the cache" in text
+
+
+def test_eos_study_reads_each_run_and_its_eos_logprob_by_hand(tiny, dpo_cache, tmp_path):  # noqa: F811
+    base = dpo_cfg(tiny, "unused", steps=2, eval_k=1)
+    cfg = eos.Config(betas="1", alphas="0,1", seeds="1,2", out_dir=str(tmp_path / "eos"),
+                     results=str(tmp_path / "RESULTS.md"))
+    eos.main(cfg, base)
+    text = (tmp_path / "RESULTS.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 2 and rows[0].startswith("| 1 | 0 |") and rows[1].startswith("| 1 | 1 |")
+    assert sorted(os.listdir(tmp_path / "eos")) == [f"beta1-alpha{a}-seed{s}" for a in (0, 1)
+                                                   for s in (1, 2)]
+    # log π(EOS) at the end of each chosen response, against one row at a time, by hand
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    got, n = eos.eos_logprob(base.ref_model, base.val_pairs, tok, base)
+    model = load_model(base.ref_model)[0].eval()
+    examples, _ = data.tokenize_pairs(tok, data.read_pairs(base.val_pairs), base.max_len,
+                                      base.max_prompt_len)
+    want = []
+    for e in examples:
+        if e["chosen"][-1] != tok.eos:
+            continue  # cut before its EOS
+        ids = torch.tensor([e["prompt"] + e["chosen"]])
+        with torch.no_grad():
+            logits = model(ids)[0, -2]  # the position that predicts the last token, EOS
+        want.append(torch.log_softmax(logits.float(), -1)[tok.eos].item())
+    assert n == len(want) > 0 and got == pytest.approx(sum(want) / n, abs=1e-4)
+    before = (tmp_path / "eos" / "beta1-alpha0-seed1" / "eval.json").stat().st_mtime_ns
+    eos.main(cfg, base)  # finished runs are read, not run again
+    assert (tmp_path / "eos" / "beta1-alpha0-seed1" / "eval.json").stat().st_mtime_ns == before
 
 
 # ==================================================================================================
