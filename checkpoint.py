@@ -416,7 +416,7 @@ TRUNCATION = ("data.tokenize_pairs v1: prompt keeps BOS + its last tokens (>= ma
 REDUCTION = "sum over response tokens of model.token_logprobs (fp32 log-softmax, temperature 1)"
 # the code that turns weights into log-probs
 MODEL_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
-CHANGED = {"ref_model_sha256": "the reference weights", "tokenizer_sha256": "the tokenizer",
+CHANGED = {"ref_model_sha256": "the reference weights", "tokenizer_content_sha256": "the tokenizer",
            "pairs_sha256": "the pairs file", "max_len": "--max_len",
            "max_prompt_len": "--max_prompt_len", "truncation": "the truncation rule",
            "reduction": "the log-prob reduction",
@@ -434,7 +434,7 @@ def fingerprint(cfg, split, examples, device):
     ids = hashlib.sha256(json.dumps([[e["index"], e["prompt"], e["chosen"], e["rejected"]]
                                      for e in examples]).encode())
     return {"ref_model_sha256": sha256(cfg.ref_model),
-            "tokenizer_sha256": tokenizer_sha256(tokenizer_beside(cfg.ref_model)),
+            "tokenizer_content_sha256": tokenizer_sha256(tokenizer_beside(cfg.ref_model)),
             "pairs_sha256": sha256(pairs), "max_len": cfg.max_len,
             "max_prompt_len": cfg.max_prompt_len, "truncation": TRUNCATION, "reduction": REDUCTION,
             "tokens_sha256": ids.hexdigest(), "model_code_sha256": sha256(MODEL_CODE),
@@ -464,7 +464,9 @@ def load_ref_logps(path, cfg, split, examples, device, rebuild):
     changed = [k for k, v in want.items() if found.get(k) != v]
     # the catch-all: only if nothing else says
     changed = [k for k in changed if k != "tokens_sha256" or len(changed) == 1]
-    changed = [f"{CHANGED.get(k, k)} ({short(found.get(k))} -> {short(want[k])})" for k in changed]
+    changed = [f"{CHANGED.get(k, k)} ({short(found[k])} -> {short(want[k])})" if k in found else
+               f"{CHANGED.get(k, k)} (not recorded: an older version wrote this cache)"
+               for k in changed]
     check(not changed, f"{path} is stale, computed for other inputs: {'; '.join(changed)}. "
           f"Rebuild it with: {rebuild}")
     logps = torch.stack([t["chosen"], t["rejected"]])

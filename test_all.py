@@ -2018,6 +2018,16 @@ def test_stale_cache_is_refused(tiny, dpo_cache):  # noqa: F811
     save_model(model, c.ref_model, meta)  # the reference weights changed
     with pytest.raises(SystemExit, match="stale.*the reference weights"):
         dpo.main(cfg)
+    # a cache from a version whose fingerprint had another field: said so, not "it changed"
+    path = os.path.join(c.out_dir, "train.safetensors")
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    fp = json.loads(meta["fingerprint"])
+    fp["tokenizer_sha256"] = fp.pop("tokenizer_content_sha256")
+    checkpoint.save_safetensors(load_file(path), path, {**meta, "fingerprint": json.dumps(fp)})
+    with pytest.raises(SystemExit, match=re.escape("the tokenizer (not recorded: an older version "
+                                                   "wrote this cache)")):
+        dpo.main(cfg)
 
 
 def test_two_ranks_equal_one_process(tiny, dpo_cache):  # noqa: F811
