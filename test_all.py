@@ -6,6 +6,7 @@ script, `torchrun --nproc_per_node=2` on the CPU included.
     pytest test_all.py -k dpo     # one area
     pytest                        # everything: these and tests/*.py (the studies)
 """
+import contextlib
 import copy
 import os
 
@@ -26,9 +27,12 @@ import math
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import asdict, replace
 from types import SimpleNamespace
 
@@ -89,16 +93,94 @@ def tiny(tmp_path_factory):
     return SimpleNamespace(root=root, task=task, sft=str(root / "sft"))
 
 
-def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
-    """`torchrun --nproc_per_node=nproc script args` on the CPU (gloo); returns the
-    CompletedProcess, failing the test with its output if it exits non-zero. script: a file under
-    the repo root, or "-m package.module" (as `torchrun -m study.compare` runs it)."""
+# Every process a spawned run starts carries RUN_TAG=<its tag> in its environment, so that the
+# run can be killed whole: torchrun starts each rank in a session of its own, out of reach of the
+# launcher's process group, and a rank whose launcher was killed is nobody's child.
+RUN_TAG = "TEST_RUN_TAG"
+RUNS = itertools.count()
+
+
+def run_processes(tag):
+    """The pids of the live processes of the run `tag`, found by their environment in /proc; a run
+    started inside it (by a child pytest) tags its own processes `tag`/..., and they count too."""
+    mark = f"{RUN_TAG}={tag}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        if any(v == mark or v.startswith(mark + b"/") for v in env):
+            found.append(int(pid))
+    return found
+
+
+def kill_run(tag):
+    """SIGKILL the processes of the run `tag` until none is left; returns those found alive."""
+    alive = left = run_processes(tag)
+    while left:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+        left = run_processes(tag)
+    return alive
+
+
+def run_whole(cmds, timeout, env, cwd=HERE):
+    """Run the commands side by side (the launches of one job), each in a process group of its
+    own, and wait for them all; returns their CompletedProcesses. Output goes through files, so a
+    rank that outlives its launcher cannot block the wait on a pipe. Past `timeout` seconds every
+    process they started is killed and the test fails with their output; a process still alive
+    after its launcher returned fails the test too."""
+    tag = f"{env.get(RUN_TAG, '')}/{os.getpid()}-{next(RUNS)}"
+    logs = [[tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") for _ in "oe"]
+            for _ in cmds]
+    procs = [subprocess.Popen(c, cwd=cwd, env={**env, RUN_TAG: tag}, stdout=o, stderr=e,
+                              start_new_session=True) for c, (o, e) in zip(cmds, logs)]
+    end, timed_out = time.monotonic() + timeout, False
+    try:
+        for p in procs:
+            p.wait(timeout=max(end - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:  # a timeout, or the test interrupted: nothing of the run outlives it
+        left = kill_run(tag)
+        for p in procs:
+            p.wait()
+    for log in logs:
+        for f in log:
+            f.seek(0)
+    done = [subprocess.CompletedProcess(c, p.returncode, o.read(), e.read())
+            for c, p, (o, e) in zip(cmds, procs, logs)]
+    said = "\n".join(f"$ {' '.join(r.args)}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}" for r in done)
+    if timed_out:
+        pytest.fail(f"still running after {timeout} s: killed, with the {len(left)} processes it "
+                    f"started\n{said}")
+    assert not left, f"{len(left)} processes outlived their launcher\n{said}"
+    return done
+
+
+def torchrun(script, args, launch):
+    """The command `torchrun LAUNCH script args`. script: a file under the repo root, or
+    "-m package.module" (as `torchrun -m study.compare` runs it)."""
     target = script.split() if script.startswith("-m ") else [os.path.join(HERE, script)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--standalone", *target, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    return [sys.executable, "-m", "torch.distributed.run", *launch, *target, *args]
+
+
+def torchrun_env():
+    """The ranks' environment: one thread each, the repo importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
+
+
+def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
+    """`torchrun --nproc_per_node=nproc --standalone script args` on the CPU (gloo), run whole
+    (run_whole); returns the CompletedProcess, failing the test with its output if it exits
+    non-zero."""
+    (p,) = run_whole([torchrun(script, args, [f"--nproc_per_node={nproc}", "--standalone"])],
+                     timeout, torchrun_env(), cwd)
+    assert p.returncode == 0, f"{' '.join(p.args)} failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     return p
 
 
@@ -2548,8 +2630,7 @@ def test_cuda_tests_in_a_child():
         pytest.skip("a CPU build of torch: no CUDA to test")
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-k", "on_cuda", "-p",
            "no:cacheprovider"]
-    p = subprocess.run(cmd, env={**ENV_AS_GIVEN, "TEST_CUDA": "1"}, cwd=HERE, capture_output=True,
-                       text=True, timeout=1200)
+    (p,) = run_whole([cmd], 1200, {**ENV_AS_GIVEN, "TEST_CUDA": "1"})
     assert p.returncode == 0, f"the on_cuda tests failed:\n{p.stdout[-6000:]}\n{p.stderr[-2000:]}"
     if " passed" not in p.stdout:
         pytest.skip(f"no GPU visible to the child: {p.stdout.strip().splitlines()[-1]}")
@@ -2730,7 +2811,7 @@ def test_bf16_ppo_first_ratio_is_one(tiny, bf16, tmp_path):  # noqa: F811
 
 # ==================================================================================================
 # reliability: non-finite and divergent runs, resume fingerprints, writable outputs,
-# kills, truncation
+# kills, truncation, hangs
 # ==================================================================================================
 
 CPU = Dist(0, 0, 1, torch.device("cpu"), True, False)  # one process
@@ -3104,6 +3185,43 @@ def test_reward_resumed_equals_uninterrupted(tiny, dpo_cache, tmp_path):  # noqa
     steps = [[json.loads(x)["step"] for x in open(tmp_path / n / "metrics.jsonl")]
              for n in ("full", "split")]
     assert steps[0] == steps[1] == [1, 10, 12]  # no extra line at the resumed run's first step
+
+
+# -----------------------------------------------------------------------------
+# hangs: a hung run is killed whole (run_whole)
+
+
+def processes_naming(path):
+    """The pids of the live processes whose command line holds `path` (pgrep -f, from /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(path).encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def rank_script(path, body):
+    """A script for torchrun's ranks: the repo importable, then `body`."""
+    path.write_text(f"import sys\nsys.path.insert(0, {HERE!r})\n{body}")
+    return str(path)
+
+
+def test_a_hung_run_is_killed_whole(tmp_path):
+    # two ranks that never end, in no collective: no timeout of theirs can end them
+    script = rank_script(tmp_path / "sleep.py", f"import os, time\nopen(f'{tmp_path}/started."
+                         "{os.environ[\"RANK\"]}', 'w').close()\ntime.sleep(600)\n")
+    try:
+        with pytest.raises(pytest.fail.Exception, match="still running after 20 s: killed"):
+            run_torchrun(script, [], timeout=20)
+        assert os.path.exists(tmp_path / "started.0") and os.path.exists(tmp_path / "started.1")
+        assert not processes_naming(script)  # the launcher and both ranks are gone
+    finally:  # a broken harness leaves them: not beyond this test
+        for pid in processes_naming(script):
+            os.kill(pid, signal.SIGKILL)
 
 
 # ==================================================================================================
