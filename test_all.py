@@ -3188,7 +3188,8 @@ def test_reward_resumed_equals_uninterrupted(tiny, dpo_cache, tmp_path):  # noqa
 
 
 # -----------------------------------------------------------------------------
-# hangs: a hung run is killed whole (run_whole)
+# hangs: a hung run is killed whole, and teardown exits with a gloo work still running
+# (run_whole, plumbing.teardown)
 
 
 def processes_naming(path):
@@ -3222,6 +3223,40 @@ def test_a_hung_run_is_killed_whole(tmp_path):
     finally:  # a broken harness leaves them: not beyond this test
         for pid in processes_naming(script):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_teardown_exits_with_a_gloo_work_in_flight(tmp_path):
+    """A DDP run's ranks leave main() while a gloo thread still holds a work and needs the GIL to
+    free its tensor. Were the DDP module's Reducer to drop the group's last reference then, it
+    would join gloo's threads with the GIL held and wait forever (a rank of tiny_rm's reward.py
+    did, in 5 of 60 runs on 2 busy cores). Here the work is made to last: rank 1 joins it a second
+    late, as teardown destroys the group, so that in the broken order every run hangs."""
+    script = rank_script(tmp_path / "late.py", """import time
+import torch
+import torch.distributed as dist
+import plumbing
+
+
+def main():
+    d = plumbing.init_distributed()
+    model = plumbing.wrap(torch.nn.Linear(4, 4), d)  # DDP
+    model(torch.ones(2, 4)).sum().backward()
+    destroy = dist.destroy_process_group
+
+    def destroy_with_a_late_work():
+        time.sleep(d.rank)
+        dist.all_reduce(torch.ones(3), async_op=True)  # neither the handle nor the tensor kept
+        destroy()
+    dist.destroy_process_group = destroy_with_a_late_work
+    plumbing.teardown(d)
+
+
+main()  # the DDP module is freed as main returns
+print("exited", flush=True)
+""")
+    (p,) = run_whole([torchrun(script, [], ["--nproc_per_node=2", "--standalone"])], 90,
+                     torchrun_env())
+    assert p.returncode == 0 and p.stdout.count("exited") == 2, p.stderr[-3000:]
 
 
 # ==================================================================================================
