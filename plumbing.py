@@ -14,6 +14,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,13 @@ def init_distributed():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     created = not dist.is_initialized()
+    # DIST_TIMEOUT_S: how long a rank waits in a collective (or for the store) before it fails with
+    # the collective named; unset, torch's default (30 min under gloo, 10 under nccl)
+    timeout = os.environ.get("DIST_TIMEOUT_S")
     if created:  # device_id binds nccl's communicator to this rank's GPU now, not at first use
         dist.init_process_group(backend="nccl" if cuda else "gloo",
-                                device_id=device if cuda else None)
+                                device_id=device if cuda else None,
+                                timeout=timedelta(seconds=float(timeout)) if timeout else None)
     return Dist(rank, local_rank, dist.get_world_size(), device, rank == 0, created)
 
 

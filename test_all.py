@@ -169,9 +169,11 @@ def torchrun(script, args, launch):
     return [sys.executable, "-m", "torch.distributed.run", *launch, *target, *args]
 
 
-def torchrun_env():
-    """The ranks' environment: one thread each, the repo importable."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
+def torchrun_env(timeout):
+    """The ranks' environment: one thread each, and a collective that waits a third of the test's
+    `timeout` fails (plumbing's DIST_TIMEOUT_S) and names itself, while the test has time left."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE,
+            "DIST_TIMEOUT_S": str(timeout // 3)}
 
 
 def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
@@ -179,7 +181,7 @@ def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
     (run_whole); returns the CompletedProcess, failing the test with its output if it exits
     non-zero."""
     (p,) = run_whole([torchrun(script, args, [f"--nproc_per_node={nproc}", "--standalone"])],
-                     timeout, torchrun_env(), cwd)
+                     timeout, torchrun_env(timeout), cwd)
     assert p.returncode == 0, f"{' '.join(p.args)} failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     return p
 
@@ -3188,8 +3190,8 @@ def test_reward_resumed_equals_uninterrupted(tiny, dpo_cache, tmp_path):  # noqa
 
 
 # -----------------------------------------------------------------------------
-# hangs: a hung run is killed whole, and teardown exits with a gloo work still running
-# (run_whole, plumbing.teardown)
+# hangs: a hung run is killed whole, a rank left in a collective fails naming it, and teardown
+# exits with a gloo work still running (run_whole, plumbing.init_distributed, plumbing.teardown)
 
 
 def processes_naming(path):
@@ -3225,6 +3227,21 @@ def test_a_hung_run_is_killed_whole(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_rank_left_in_a_collective_fails_fast_naming_it(tmp_path):
+    script = rank_script(tmp_path / "skip.py", "import plumbing\nd = plumbing.init_distributed()\n"
+                         "if d.rank == 0:\n    plumbing.reduce_sums(d, n=1)  # rank 1 skips it\n"
+                         "plumbing.teardown(d)\n")
+    t0 = time.monotonic()  # 5 s to wait in a collective; the harness would kill the run at 120
+    (p,) = run_whole([torchrun(script, [], ["--nproc_per_node=2", "--standalone"])], 120,
+                     {**torchrun_env(120), "DIST_TIMEOUT_S": "5"})
+    assert p.returncode != 0 and time.monotonic() - t0 < 60
+    # each rank's traceback names the collective it waited in, and why it gave up
+    assert re.search(r"\[rank0\]:.*in all_reduce_sum\n.*dist\.all_reduce", p.stderr)
+    assert re.search(r"\[rank1\]:.*in barrier", p.stderr)
+    assert p.stderr.count("Timed out waiting 5000ms") == 2
+    assert not processes_naming(script)
+
+
 def test_teardown_exits_with_a_gloo_work_in_flight(tmp_path):
     """A DDP run's ranks leave main() while a gloo thread still holds a work and needs the GIL to
     free its tensor. Were the DDP module's Reducer to drop the group's last reference then, it
@@ -3255,7 +3272,7 @@ main()  # the DDP module is freed as main returns
 print("exited", flush=True)
 """)
     (p,) = run_whole([torchrun(script, [], ["--nproc_per_node=2", "--standalone"])], 90,
-                     torchrun_env())
+                     torchrun_env(90))
     assert p.returncode == 0 and p.stdout.count("exited") == 2, p.stderr[-3000:]
 
 
