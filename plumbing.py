@@ -4,6 +4,7 @@ logging to stdout and metrics.jsonl, atomic writes, building a missing earlier s
 learning-rate schedule, the precision rule, and the weight broadcast to a rollout engine.
 """
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -14,6 +15,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -54,17 +56,32 @@ def init_distributed():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     created = not dist.is_initialized()
+    # DIST_TIMEOUT_S: how long a rank waits in a collective (or for the store) before it fails with
+    # the collective named; unset, torch's default (30 min under gloo, 10 under nccl)
+    timeout = os.environ.get("DIST_TIMEOUT_S")
     if created:  # device_id binds nccl's communicator to this rank's GPU now, not at first use
         dist.init_process_group(backend="nccl" if cuda else "gloo",
-                                device_id=device if cuda else None)
+                                device_id=device if cuda else None,
+                                timeout=timedelta(seconds=float(timeout)) if timeout else None)
     return Dist(rank, local_rank, dist.get_world_size(), device, rank == 0, created)
+
+
+# The groups that teardown ended, held until the interpreter exits (atexit runs while Python still
+# runs threads). Whoever drops a group's last reference joins its gloo worker threads. A DDP
+# module's Reducer holds one and drops it with the GIL held: were it the last (the module is freed
+# as main() returns, after teardown), a worker thread still freeing a tensor would wait for the GIL
+# forever, and the rank with it. This list's reference, dropped from Python, lets the GIL go first.
+ENDED_GROUPS = []
+atexit.register(ENDED_GROUPS.clear)
 
 
 def teardown(d):
     """Every rank gets here before any destroys the group: under gloo, a rank whose peer destroyed
-    it first can abort at exit ("terminate called without an active exception")."""
+    it first can abort at exit ("terminate called without an active exception"). The group is
+    then unregistered, and released at exit (ENDED_GROUPS)."""
     if d.created:
         dist.barrier()
+        ENDED_GROUPS.append(dist.group.WORLD)
         dist.destroy_process_group()
 
 

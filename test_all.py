@@ -6,6 +6,7 @@ script, `torchrun --nproc_per_node=2` on the CPU included.
     pytest test_all.py -k dpo     # one area
     pytest                        # everything: these and tests/*.py (the studies)
 """
+import contextlib
 import copy
 import dataclasses
 import os
@@ -27,9 +28,13 @@ import math
 import random
 import re
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import asdict, replace
 from types import SimpleNamespace
 
@@ -90,16 +95,96 @@ def tiny(tmp_path_factory):
     return SimpleNamespace(root=root, task=task, sft=str(root / "sft"))
 
 
-def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
-    """`torchrun --nproc_per_node=nproc script args` on the CPU (gloo); returns the
-    CompletedProcess, failing the test with its output if it exits non-zero. script: a file under
-    the repo root, or "-m package.module" (as `torchrun -m study.compare` runs it)."""
+# Every process a spawned run starts carries RUN_TAG=<its tag> in its environment, so that the
+# run can be killed whole: torchrun starts each rank in a session of its own, out of reach of the
+# launcher's process group, and a rank whose launcher was killed is nobody's child.
+RUN_TAG = "TEST_RUN_TAG"
+RUNS = itertools.count()
+
+
+def run_processes(tag):
+    """The pids of the live processes of the run `tag`, found by their environment in /proc; a run
+    started inside it (by a child pytest) tags its own processes `tag`/..., and they count too."""
+    mark = f"{RUN_TAG}={tag}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        if any(v == mark or v.startswith(mark + b"/") for v in env):
+            found.append(int(pid))
+    return found
+
+
+def kill_run(tag):
+    """SIGKILL the processes of the run `tag` until none is left; returns those found alive."""
+    alive = left = run_processes(tag)
+    while left:
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+        left = run_processes(tag)
+    return alive
+
+
+def run_whole(cmds, timeout, env, cwd=HERE):
+    """Run the commands side by side (the launches of one job), each in a process group of its
+    own, and wait for them all; returns their CompletedProcesses. Output goes through files, so a
+    rank that outlives its launcher cannot block the wait on a pipe. Past `timeout` seconds every
+    process they started is killed and the test fails with their output; a process still alive
+    after its launcher returned fails the test too."""
+    tag = f"{env.get(RUN_TAG, '')}/{os.getpid()}-{next(RUNS)}"
+    logs = [[tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") for _ in "oe"]
+            for _ in cmds]
+    procs = [subprocess.Popen(c, cwd=cwd, env={**env, RUN_TAG: tag}, stdout=o, stderr=e,
+                              start_new_session=True) for c, (o, e) in zip(cmds, logs)]
+    end, timed_out = time.monotonic() + timeout, False
+    try:
+        for p in procs:
+            p.wait(timeout=max(end - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:  # a timeout, or the test interrupted: nothing of the run outlives it
+        left = kill_run(tag)
+        for p in procs:
+            p.wait()
+    for log in logs:
+        for f in log:
+            f.seek(0)
+    done = [subprocess.CompletedProcess(c, p.returncode, o.read(), e.read())
+            for c, p, (o, e) in zip(cmds, procs, logs)]
+    said = "\n".join(f"$ {' '.join(r.args)}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}" for r in done)
+    if timed_out:
+        pytest.fail(f"still running after {timeout} s: killed, with the {len(left)} processes it "
+                    f"started\n{said}")
+    assert not left, f"{len(left)} processes outlived their launcher\n{said}"
+    return done
+
+
+def torchrun(script, args, launch):
+    """The command `torchrun LAUNCH script args`. script: a file under the repo root, or
+    "-m package.module" (as `torchrun -m study.compare` runs it)."""
     target = script.split() if script.startswith("-m ") else [os.path.join(HERE, script)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--standalone", *target, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE}
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    return [sys.executable, "-m", "torch.distributed.run", *launch, *target, *args]
+
+
+def torchrun_env(timeout):
+    """The ranks' environment: one thread each, and a collective that waits a third of the test's
+    `timeout` fails (plumbing's DIST_TIMEOUT_S) and names itself, while the test has time left."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": HERE,
+            "DIST_TIMEOUT_S": str(timeout // 3)}
+
+
+def run_torchrun(script, args, nproc=2, cwd=HERE, timeout=300):
+    """`torchrun --nproc_per_node=nproc --standalone script args` on the CPU (gloo), run whole
+    (run_whole); returns the CompletedProcess, failing the test with its output if it exits
+    non-zero."""
+    (p,) = run_whole([torchrun(script, args, [f"--nproc_per_node={nproc}", "--standalone"])],
+                     timeout, torchrun_env(timeout), cwd)
+    assert p.returncode == 0, f"{' '.join(p.args)} failed:\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     return p
 
 
@@ -2030,22 +2115,64 @@ def test_stale_cache_is_refused(tiny, dpo_cache):  # noqa: F811
         dpo.main(cfg)
 
 
-def test_two_ranks_equal_one_process(tiny, dpo_cache):  # noqa: F811
-    one = dpo_cfg(tiny, "dpo-1rank", steps=2, micro_batch_size=16)  # 1 rank x 1 micro-step x 16
-    dpo.main(one)
-    # 2 ranks x 2 micro-steps x 4: same global batch
-    two = dpo_cfg(tiny, "dpo-2ranks", steps=2, micro_batch_size=4)
-    args = [a for k, v in vars(two).items()
-            if isinstance(v, (str, int, float)) and not isinstance(v, bool)
-            for a in (f"--{k}", str(v))]
-    p = run_torchrun("dpo.py", args)  # also the smoke run: the whole script, evaluation and outputs
-    assert "held-out pairs: accuracy" in p.stdout
-    a, b = dpo_metrics(one.out_dir), dpo_metrics(two.out_dir)
+def dpo_flags(cfg):
+    return [a for k, v in vars(cfg).items() if isinstance(v, (str, int, float))
+            and not isinstance(v, bool) for a in (f"--{k}", str(v))]
+
+
+def assert_dpo_runs_agree(a, b):
+    """Two runs' logged steps, equal up to the order of fp32 sums (DPO_TOL)."""
+    a, b = dpo_metrics(a), dpo_metrics(b)
     assert [x["step"] for x in a] == [y["step"] for y in b] and "val_loss" in a[-1]
     # not accuracy: ties at step 1; logps/chosen (~ -30) relative to its size
     for k in ("loss", "rewards/margins", "logps/chosen", "grad_norm", "val_loss"):
         assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k]))
                    for x, y in zip(a, b) if k in x), k
+
+
+@pytest.fixture(scope="module")
+def dpo_two_ranks(tiny, dpo_cache):  # noqa: F811
+    """`torchrun --nproc_per_node=2 dpo.py`, 2 ranks x 2 micro-steps x 4; returns its config."""
+    two = dpo_cfg(tiny, "dpo-2ranks", steps=2, micro_batch_size=4)
+    p = run_torchrun("dpo.py", dpo_flags(two))  # also the smoke run: evaluation and outputs too
+    assert "held-out pairs: accuracy" in p.stdout
+    return two
+
+
+def test_two_ranks_equal_one_process(tiny, dpo_two_ranks):  # noqa: F811
+    one = dpo_cfg(tiny, "dpo-1rank", steps=2, micro_batch_size=16)  # 1 rank x 1 micro-step x 16
+    dpo.main(one)  # the same global batch
+    assert_dpo_runs_agree(one.out_dir, dpo_two_ranks.out_dir)
+
+
+def free_port():
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    except OSError as e:
+        pytest.skip(f"no TCP port on localhost for torchrun's rendezvous ({e})")
+
+
+def test_two_launches_equal_two_ranks_in_one(tiny, dpo_two_ranks):  # noqa: F811
+    """The README's multi-machine commands, two launches of one rank each on this machine (on a free
+    port), train as one launch of two ranks: the same logged steps, and the same weights up to
+    fp32 rounding, not bitwise: each launch gives its rank every core (its LOCAL_WORLD_SIZE is 1),
+    the one launch half of them each, and intra-op threads sum in another order (with the thread
+    counts made equal, the weights were measured bitwise equal)."""
+    readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    cmds = [line.split() for line in readme.splitlines() if line.startswith("torchrun --nnodes=2")]
+    assert len(cmds) == 2 and cmds[0] == cmds[1] + ["&"], cmds  # the first one in the background
+    flags, port = cmds[1][1:-1], free_port()
+    assert cmds[1][-1] == "dpo.py" and "--rdzv_endpoint=localhost:" in " ".join(flags)
+    launch = [re.sub(r"=localhost:\d+$", f"=localhost:{port}", a) for a in flags]
+    cfg = replace(dpo_two_ranks, out_dir=str(tiny.root / "dpo-2launches"))
+    runs = run_whole([torchrun("dpo.py", dpo_flags(cfg), launch)] * 2, 300, torchrun_env(300))
+    assert all(p.returncode == 0 for p in runs), [p.stderr[-3000:] for p in runs]
+    assert "batch 16 pairs = 2 ranks x 2 accumulation x 4" in "".join(p.stdout for p in runs)
+    assert_dpo_runs_agree(dpo_two_ranks.out_dir, cfg.out_dir)
+    a, b = dpo_weights(dpo_two_ranks.out_dir), dpo_weights(cfg.out_dir)
+    assert dpo_max_diff(a, b) <= 1e-4  # measured 4.8e-6; a step moves a weight by up to lr (1e-3)
 
 
 def loop_headers(path):
@@ -2888,8 +3015,7 @@ def test_cuda_tests_in_a_child():
         pytest.skip("a CPU build of torch: no CUDA to test")
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-k", "on_cuda", "-p",
            "no:cacheprovider"]
-    p = subprocess.run(cmd, env={**ENV_AS_GIVEN, "TEST_CUDA": "1"}, cwd=HERE, capture_output=True,
-                       text=True, timeout=1200)
+    (p,) = run_whole([cmd], 1200, {**ENV_AS_GIVEN, "TEST_CUDA": "1"})
     assert p.returncode == 0, f"the on_cuda tests failed:\n{p.stdout[-6000:]}\n{p.stderr[-2000:]}"
     if " passed" not in p.stdout:
         pytest.skip(f"no GPU visible to the child: {p.stdout.strip().splitlines()[-1]}")
@@ -3070,7 +3196,7 @@ def test_bf16_ppo_first_ratio_is_one(tiny, bf16, tmp_path):  # noqa: F811
 
 # ==================================================================================================
 # reliability: non-finite and divergent runs, resume fingerprints, writable outputs,
-# kills, truncation
+# kills, truncation, hangs
 # ==================================================================================================
 
 CPU = Dist(0, 0, 1, torch.device("cpu"), True, False)  # one process
@@ -3537,6 +3663,93 @@ def test_reward_resumed_equals_uninterrupted(tiny, dpo_cache, tmp_path):  # noqa
     steps = [[json.loads(x)["step"] for x in open(tmp_path / n / "metrics.jsonl")]
              for n in ("full", "split")]
     assert steps[0] == steps[1] == [1, 10, 12]  # no extra line at the resumed run's first step
+
+
+# -----------------------------------------------------------------------------
+# hangs: a hung run is killed whole, a rank left in a collective fails naming it, and teardown
+# exits with a gloo work still running (run_whole, plumbing.init_distributed, plumbing.teardown)
+
+
+def processes_naming(path):
+    """The pids of the live processes whose command line holds `path` (pgrep -f, from /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(path).encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def rank_script(path, body):
+    """A script for torchrun's ranks: the repo importable, then `body`."""
+    path.write_text(f"import sys\nsys.path.insert(0, {HERE!r})\n{body}")
+    return str(path)
+
+
+def test_a_hung_run_is_killed_whole(tmp_path):
+    # two ranks that never end, in no collective: no timeout of theirs can end them
+    script = rank_script(tmp_path / "sleep.py", f"import os, time\nopen(f'{tmp_path}/started."
+                         "{os.environ[\"RANK\"]}', 'w').close()\ntime.sleep(600)\n")
+    try:
+        with pytest.raises(pytest.fail.Exception, match="still running after 20 s: killed"):
+            run_torchrun(script, [], timeout=20)
+        assert os.path.exists(tmp_path / "started.0") and os.path.exists(tmp_path / "started.1")
+        assert not processes_naming(script)  # the launcher and both ranks are gone
+    finally:  # a broken harness leaves them: not beyond this test
+        for pid in processes_naming(script):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_rank_left_in_a_collective_fails_fast_naming_it(tmp_path):
+    script = rank_script(tmp_path / "skip.py", "import plumbing\nd = plumbing.init_distributed()\n"
+                         "if d.rank == 0:\n    plumbing.reduce_sums(d, n=1)  # rank 1 skips it\n"
+                         "plumbing.teardown(d)\n")
+    t0 = time.monotonic()  # 5 s to wait in a collective; the harness would kill the run at 120
+    (p,) = run_whole([torchrun(script, [], ["--nproc_per_node=2", "--standalone"])], 120,
+                     {**torchrun_env(120), "DIST_TIMEOUT_S": "5"})
+    assert p.returncode != 0 and time.monotonic() - t0 < 60
+    # each rank's traceback names the collective it waited in, and why it gave up
+    assert re.search(r"\[rank0\]:.*in all_reduce_sum\n.*dist\.all_reduce", p.stderr)
+    assert re.search(r"\[rank1\]:.*in barrier", p.stderr)
+    assert p.stderr.count("Timed out waiting 5000ms") == 2
+    assert not processes_naming(script)
+
+
+def test_teardown_exits_with_a_gloo_work_in_flight(tmp_path):
+    """A DDP run's ranks leave main() while a gloo thread still holds a work and needs the GIL to
+    free its tensor. Were the DDP module's Reducer to drop the group's last reference then, it
+    would join gloo's threads with the GIL held and wait forever (a rank of tiny_rm's reward.py
+    did, in 5 of 60 runs on 2 busy cores). Here the work is made to last: rank 1 joins it a second
+    late, as teardown destroys the group, so that in the broken order every run hangs."""
+    script = rank_script(tmp_path / "late.py", """import time
+import torch
+import torch.distributed as dist
+import plumbing
+
+
+def main():
+    d = plumbing.init_distributed()
+    model = plumbing.wrap(torch.nn.Linear(4, 4), d)  # DDP
+    model(torch.ones(2, 4)).sum().backward()
+    destroy = dist.destroy_process_group
+
+    def destroy_with_a_late_work():
+        time.sleep(d.rank)
+        dist.all_reduce(torch.ones(3), async_op=True)  # neither the handle nor the tensor kept
+        destroy()
+    dist.destroy_process_group = destroy_with_a_late_work
+    plumbing.teardown(d)
+
+
+main()  # the DDP module is freed as main returns
+print("exited", flush=True)
+""")
+    (p,) = run_whole([torchrun(script, [], ["--nproc_per_node=2", "--standalone"])], 90,
+                     torchrun_env(90))
+    assert p.returncode == 0 and p.stdout.count("exited") == 2, p.stderr[-3000:]
 
 
 # ==================================================================================================
