@@ -197,7 +197,7 @@ def read_pairs(path):
     first differing character; we never cut a word). Other fields are ignored, as TRL ignores them
     (scores, ids), except beside implicit-prompt texts: there another key is likelier a misspelled
     "prompt", whose words would silently be read as the texts' common opening."""
-    out = []
+    out, repeats = [], []
     for n, line in _lines(path):
         row = _json_row(path, n, line)
         p = _field(path, n, row, "prompt") if "prompt" in row else None
@@ -230,9 +230,9 @@ def read_pairs(path):
                 what = "empty" if not v else "only whitespace (an empty assistant message?)"
                 raise DataError(f'{path}:{n}: field "{key}" is {what}: nothing to prefer')
         if p is not None and p.strip() and all(v.lstrip().startswith(p.strip()) for v in (c, r)):
-            raise DataError(f'{path}:{n}: "chosen" and "rejected" both begin with the prompt: full '
-                            f'texts beside a "prompt" field? Give the responses without it, or '
-                            f'drop "prompt" (the texts\' common opening is then the prompt)')
+            repeats.append(n)  # once is the text's own choice; in every row, full texts
+        if isinstance(c, str) and c.strip() == r.strip():
+            raise DataError(f'{path}:{n}: "chosen" and "rejected" differ only in white space')
         if p is None:
             k = len(os.path.commonprefix([c, r]))
             cut = max((i for i in range(k) if c[i].isspace()), default=0)
@@ -241,6 +241,11 @@ def read_pairs(path):
                                 f'no prompt (no whitespace inside their common prefix)')
             p, c, r = c[:cut], c[cut:], r[cut:]
         out.append(dict(prompt=p, chosen=c, rejected=r))
+    if out and len(repeats) == len(out):  # a sentence may repeat its prompt; every row, no
+        raise DataError(f'{path}:{repeats[0]}: in every row "chosen" and "rejected" both begin '
+                        f'with the prompt: full texts beside a "prompt" field? Give the responses '
+                        f'without it, or drop "prompt" (the texts\' common opening is then the '
+                        f'prompt)')
     return _nonempty(path, out, "rows")
 
 def _plain_lines(path, what):

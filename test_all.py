@@ -1117,8 +1117,7 @@ U, A = msgs(("user", "hi")), msgs(("assistant", "hello"))
     ('{"prompt": "a", "chosen": "  ", "rejected": " c"}', 'field "chosen" is only whitespace'),
     (json.dumps(dict(prompt=U, chosen=msgs(("assistant", "")), rejected=A)),
      'field "chosen" is only whitespace (an empty assistant message?)'),
-    ('{"prompt": "the plot", "chosen": "the plot is good", "rejected": "the plot is bad"}',
-     '"chosen" and "rejected" both begin with the prompt: full texts beside a "prompt" field?'),
+    ('{"prompt": "a", "chosen": " b", "rejected": "b "}', 'differ only in white space'),
     # the problem named whole, where a message cut at 50 characters hid it
     (json.dumps(dict(prompt=msgs(("user", "x" * 60)) + [{"role": "user", "content": "y" * 60,
                                                          "Content": "z"}], chosen=A, rejected=A)),
@@ -1170,6 +1169,20 @@ def test_plain_text_of_json_rows_and_one_foreign_row_are_named_by_line(tiny, tmp
     says = "is not the built-in task's text (2 of 20 rows are not, the first at line 7), but --ref"
     with pytest.raises(SystemExit, match=re.escape(says)):
         precompute.check_own_inputs(cfg)
+
+
+def test_full_texts_beside_a_prompt_in_every_row_are_refused_once_is_not(tmp_path):
+    rows = [{"prompt": "the plot", "chosen": "the plot is good", "rejected": "the plot is bad"},
+            {"prompt": "i loved it .", "chosen": " i loved it . it felt slow .",
+             "rejected": " i loved it . the cast was fine ."}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(data.DataError, match=re.escape(f'{path}:1: in every row "chosen" and '
+                                                       '"rejected" both begin with the prompt')):
+        data.read_pairs(str(path))
+    # a sentence may repeat its prompt (the task's generator does, 1 row in 4,000 in `capped`)
+    path.write_text(json.dumps(rows[1]) + "\n" + GOOD + "\n")
+    assert len(data.read_pairs(str(path))) == 2
 
 
 def test_read_pairs_full_texts_variant(tmp_path):
