@@ -5,17 +5,13 @@ of a run's inputs and of the reference log-prob cache, and the stale refusal tha
 changed. No pickle anywhere: tensors in safetensors, everything else in JSON.
 """
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
-import socket
-import sys
 import tempfile
-import time
 
 import torch
 from safetensors import safe_open
@@ -23,7 +19,8 @@ from safetensors.torch import load_file, save
 from tokenizers import Tokenizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from plumbing import atomic_write_text, barrier, check, main_decides, precision, written
+from plumbing import (atomic_write_text, barrier, check, lock_folder, main_decides, precision,
+                      written)
 from model import save_model
 
 # -----------------------------------------------------------------------------
@@ -46,44 +43,13 @@ def remove_stale_temp_files(folder, log):
         log(f"removed temp files that a killed run left in {folder}: {', '.join(stale)}")
 
 
-# The folders this process holds locked, by real path: kept open for the process's life, so a
-# later run in this same process (a study running stage after stage, a test resuming) goes on.
-LOCKS = {}
-
-
-def lock_folder(folder, flag):
-    """An exclusive lock on folder/.lock for this process's life, so that two runs never write one
-    folder (their checkpoints and metrics would interleave); the holder's pid, host and command are
-    written into it for the refusal to name. flock, not the file's existence: the kernel drops the
-    lock when its process dies, so a killed run's lock file never blocks its resume. Returns the
-    refusal, or None."""
-    real = os.path.realpath(folder)
-    if real in LOCKS:
-        return None
-    f = open(os.path.join(folder, ".lock"), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "a process that has not said who it is yet"
-        f.close()
-        return (f"{folder} is in use by another run ({holder}): wait for it to end, or pick "
-                f"another {flag}")
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
-    f.flush()
-    LOCKS[real] = f
-    return None
-
-
 def prepare_outputs(folders, d, log):
     """Before any work, so that a bad folder fails the run now and not at its first checkpoint:
     each of `folders` ({path: the flag that picks it}, e.g. {"out/dpo/ckpt": "--out_dir"}) is
     created if missing and proved writable by creating a file in it (os.access would say yes to
     root on a read-only mount); then the temp files a killed run left there are removed. The first
-    folder, the run's own, is locked for the run's life (lock_folder). Rank 0, the writer, looks
-    and locks; every rank stops alike."""
+    folder, the run's own, is locked until the run's teardown (plumbing.lock_folder). Rank 0, the
+    writer, looks and locks; every rank stops alike."""
     msg = None
     for n, (folder, flag) in enumerate(folders.items() if d.is_main else ()):
         if os.path.exists(folder) and not os.path.isdir(folder):
@@ -97,7 +63,7 @@ def prepare_outputs(folders, d, log):
             msg = (f"cannot write in {folder} ({e.strerror}): pick another {flag}, or make it a "
                    "writable folder")
             break
-        msg = lock_folder(folder, flag) if n == 0 else None
+        msg = lock_folder(folder, flag, d) if n == 0 else None
         if msg:
             break
         remove_stale_temp_files(folder, log)

@@ -8,13 +8,16 @@ import atexit
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import inspect
 import json
 import math
 import os
 import re
+import socket
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -39,6 +42,7 @@ class Dist:
     device: torch.device
     is_main: bool  # rank 0: the only rank that prints and writes
     created: bool  # True if this call created the process group (and so must destroy it)
+    locks: list = field(default_factory=list)  # the folders this run locked (lock_folder)
 
 
 def init_distributed():
@@ -78,7 +82,10 @@ atexit.register(ENDED_GROUPS.clear)
 def teardown(d):
     """Every rank gets here before any destroys the group: under gloo, a rank whose peer destroyed
     it first can abort at exit ("terminate called without an active exception"). The group is
-    then unregistered, and released at exit (ENDED_GROUPS)."""
+    then unregistered, and released at exit (ENDED_GROUPS). The run's output folder is unlocked."""
+    for real in d.locks:
+        LOCKS.pop(real).close()
+    d.locks.clear()
     if d.created:
         dist.barrier()
         ENDED_GROUPS.append(dist.group.WORLD)
@@ -276,6 +283,39 @@ def split_batch(batch_size, micro_batch_size, world):
           f"--batch_size {batch_size} over {world} ranks is {per_rank} rows per rank, "
           f"not a multiple of --micro_batch_size {micro_batch_size}")
     return per_rank // min(micro_batch_size, per_rank)
+
+
+# The folders this process holds locked, by real path, each by the run (its Dist) that took it and
+# until that run's teardown. A run of this same process may take one again (a test resuming after
+# a refusal, a study running stage after stage): the lock keeps other processes out.
+LOCKS = {}
+
+
+def lock_folder(folder, flag, d):
+    """An exclusive lock on folder/.lock until teardown(d), so that two runs never write one folder
+    (their checkpoints and metrics would interleave); the holder's pid, host and command are
+    written into it for the refusal to name. flock, not the file's existence: the kernel drops the
+    lock when its process dies, so a killed run's lock file never blocks its resume. Returns the
+    refusal, or None."""
+    real = os.path.realpath(folder)
+    if real in LOCKS:
+        return None
+    f = open(os.path.join(folder, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that has not said who it is yet"
+        f.close()
+        return (f"{folder} is in use by another run ({holder}): wait for it to end, or pick "
+                f"another {flag}")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
+    f.flush()
+    LOCKS[real] = f
+    d.locks.append(real)
+    return None
 
 
 @contextlib.contextmanager

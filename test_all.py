@@ -3476,16 +3476,24 @@ def test_a_second_run_into_one_folder_is_refused_and_a_killed_runs_lock_is_not(t
             checkpoint.prepare_outputs({str(out): "--out_dir"}, CPU, print)
         assert (f"{out} is in use by another run (pid {holder.pid} on " in str(e.value)
                 and "pick another --out_dir" in str(e.value))
-        assert str(out.resolve()) not in checkpoint.LOCKS
+        assert str(out.resolve()) not in plumbing.LOCKS
     finally:
         holder.kill()  # SIGKILL: no cleanup runs, the lock file stays behind
         holder.wait()
     assert (out / ".lock").exists()
-    said = []
-    checkpoint.prepare_outputs({str(out): "--out_dir"}, CPU, said.append)  # a resume goes on
-    assert str(out.resolve()) in checkpoint.LOCKS and not said
+    said, run = [], plumbing.Dist(0, 0, 1, torch.device("cpu"), True, False)
+    checkpoint.prepare_outputs({str(out): "--out_dir"}, run, said.append)  # a resume goes on
+    assert str(out.resolve()) in plumbing.LOCKS and not said
     checkpoint.prepare_outputs({str(out): "--out_dir"}, CPU, said.append)  # this process again
     assert f"pid {os.getpid()} on " in (out / ".lock").read_text()
+    # the run's teardown unlocks its folder: another process may run there now (a torchrun resume
+    # of a run this process stopped with --stop_after)
+    plumbing.teardown(run)
+    assert str(out.resolve()) not in plumbing.LOCKS
+    p = subprocess.run([sys.executable, "-c", "import checkpoint, plumbing; checkpoint."
+                        f"prepare_outputs({{{str(out)!r}: '--out_dir'}}, plumbing.Dist(0, 0, 1, "
+                        "'cpu', True, False), print)"], cwd=HERE, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
 
 
 def test_a_kill_during_a_checkpoint_write_leaks_nothing(tmp_path):
