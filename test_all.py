@@ -1792,6 +1792,48 @@ def test_grouped_micro_batches_with_targets_only_give_todays_loss_and_gradients(
     assert n_ours < n_today  # and each micro-batch was cut to its own longest row (808 < 896)
 
 
+def test_packed_batches_give_the_padded_logprobs_loss_and_gradients(tiny):  # noqa: F811
+    # data.pack_pairs puts the same 2B sequences whole into rows of max_len with no padding
+    # between them; GPT.forward(mask=seq) attends only within a sequence and restarts its
+    # positions at 0, so each sequence's log-probs, the DPO loss and its gradients are the padded
+    # batch's. float64: the two differ only in summation order (~1e-13); attention that crosses a
+    # sequence boundary, positions that run on, or a sum over the wrong sequence move them by
+    # > 1e-3.
+    model = load_model(f"{tiny.sft}/model.safetensors")[0].double().eval()
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    ex, _ = data.tokenize_pairs(tok, data.read_pairs(f"{tiny.task}/pairs_train.jsonl")[:16], 64, 16)
+    ref = -30 + torch.randn(2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    padded, packed = data.collate_pairs(ex, tok.pad), data.collate_pairs(ex, tok.pad, 64)
+    assert padded["seq"] is None and packed["index"].tolist() == padded["index"].tolist()
+    # the layout: sequence k of the packed batch is row k of the padded one, whole and contiguous
+    x, y, s = packed["input_ids"], packed["targets"], packed["seq"]
+    assert x.shape[1] <= 64 and x.numel() < padded["input_ids"].numel()
+    assert (x != tok.pad).sum() == (padded["input_ids"] != tok.pad).sum() == (s >= 0).sum()
+    assert sum((s[:, 1:] != s[:, :-1]).sum(1) + 1) <= 32 + len(x)  # each sequence one run
+    for k in range(32):
+        real = padded["input_ids"][k] != tok.pad
+        assert x[s == k].tolist() == padded["input_ids"][k][real].tolist()
+        assert y[s == k].tolist() == padded["targets"][k][real].tolist()
+    assert ((s >= 0).sum(1) > 64 // 2).sum() >= len(x) - 1  # full rows: at most one half empty
+    ps = list(model.parameters())
+
+    def loss_and_grads(b):
+        lp = pair_logps(model, b["input_ids"], b["targets"], b["seq"])
+        losses, _, _ = dpo.dpo_loss(*lp.chunk(2), *ref, beta=0.1)
+        return lp, losses.mean(), torch.autograd.grad(losses.mean(), ps)
+
+    lp_pad, loss_pad, g_pad = loss_and_grads(padded)
+    lp_pack, loss_pack, g_pack = loss_and_grads(packed)
+    torch.testing.assert_close(lp_pack, lp_pad, atol=1e-10, rtol=0)
+    assert abs(loss_pack.item() - loss_pad.item()) < 1e-12
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(g_pad, g_pack))
+    # fp32, as the runs compute: the same to fp32 rounding of sums of about 30 nats
+    model.float()
+    with torch.no_grad():
+        got = [pair_logps(model, b["input_ids"], b["targets"], b["seq"]) for b in (padded, packed)]
+    torch.testing.assert_close(got[1], got[0], atol=1e-4, rtol=0)
+
+
 # -----------------------------------------------------------------------------
 # the training loop
 
