@@ -403,12 +403,54 @@ def collate(pairs_of_prompt_response, pad_id):
         targets[i, len(x) - 1:len(x) + len(y) - 1] = torch.tensor(y)
     return ids, targets
 
-def collate_pairs(examples, pad_id):
-    """B examples -> dict(input_ids (2B,T), targets (2B,T), index (B,) long): rows
-    [chosen_0..chosen_{B-1}; rejected_0..rejected_{B-1}], so one forward scores both halves."""
+def collate_pairs(examples, pad_id, pack_len=0):
+    """B examples -> dict(input_ids (2B,T), targets (2B,T), seq None, index (B,) long): rows
+    [chosen_0..chosen_{B-1}; rejected_0..rejected_{B-1}], so one forward scores both halves.
+    pack_len > 0: the same sequences packed into rows of at most pack_len tokens (pack_pairs)."""
+    if pack_len:
+        return pack_pairs(examples, pad_id, pack_len)
     ids, targets = collate([(e["prompt"], e["chosen"]) for e in examples] +
                            [(e["prompt"], e["rejected"]) for e in examples], pad_id)
-    return dict(input_ids=ids, targets=targets, index=torch.tensor([e["index"] for e in examples]))
+    return dict(input_ids=ids, targets=targets, seq=None,
+                index=torch.tensor([e["index"] for e in examples]))
+
+def batch_to(b, device):
+    """A pair batch's (input_ids, targets, seq) on device; seq stays None in a padded batch."""
+    return (b["input_ids"].to(device), b["targets"].to(device),
+            None if b["seq"] is None else b["seq"].to(device))
+
+def pack_pairs(examples, pad_id, max_len):
+    """collate_pairs' 2B sequences without its padding: each whole in one row of at most max_len
+    tokens (every sequence fits: tokenize_pairs cut it to max_len), placed first-fit in order of
+    decreasing length (FFD bin packing, Johnson 1973), so nearly every position is a real token.
+    Returns dict(input_ids (R,L), targets (R,L) as collate's within each sequence (the last token
+    of a sequence predicts nothing: IGNORE), seq (R,L) long, the sequence each position holds:
+    k < B is chosen_k, k >= B rejected_{k-B}, collate_pairs' row k (-1 on the padding at a row's
+    end), index (B,) long). GPT.forward(mask=seq) attends within each sequence and restarts its
+    positions at 0 (OpenRLHF's packing_samples, TRL's padding_free: the same idea);
+    model.pair_logps(..., seq) sums each sequence."""
+    seqs = [e["prompt"] + e[k] for k in ("chosen", "rejected") for e in examples]
+    n_prompt = [len(e["prompt"]) for e in examples] * 2
+    rows, room = [], []  # the sequence ids in each row, the tokens left in it
+    for k in sorted(range(len(seqs)), key=lambda k: -len(seqs[k])):  # stable: ties keep k's order
+        assert len(seqs[k]) <= max_len, f"a sequence of {len(seqs[k])} tokens > max_len {max_len}"
+        r = next((r for r, left in enumerate(room) if left >= len(seqs[k])), len(rows))
+        if r == len(rows):
+            rows.append([]), room.append(max_len)
+        rows[r].append(k)
+        room[r] -= len(seqs[k])
+    shape = (len(rows), max_len - min(room))
+    ids, targets = torch.full(shape, pad_id), torch.full(shape, IGNORE)
+    seq = torch.full(shape, -1)
+    for r, ks in enumerate(rows):
+        t = 0
+        for k in ks:
+            n, P = len(seqs[k]), n_prompt[k]
+            ids[r, t:t + n], seq[r, t:t + n] = torch.tensor(seqs[k]), k
+            targets[r, t + P - 1:t + n - 1] = torch.tensor(seqs[k][P:])  # t predicts t+1
+            t += n
+    return dict(input_ids=ids, targets=targets, seq=seq,
+                index=torch.tensor([e["index"] for e in examples]))
 
 # -----------------------------------------------------------------------------
 # Rank sharding: the global batch at a step depends on (n, batch_size, step, seed, lengths) only:

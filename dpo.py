@@ -63,6 +63,8 @@ class Config:
     rpo_alpha: float = 0.0  # α of an NLL term on the chosen response (RPO); 0: plain DPO, taught
     max_len: int = 64  # tokens of prompt + response; the cache's fingerprint checks it
     max_prompt_len: int = 16  # a truncated prompt keeps at least this many tokens
+    # pack each micro-batch's sequences into rows of max_len (data.pack_pairs), not pad them
+    pack: bool = True  # the same numbers to fp32 rounding; faster where padding is waste
     steps: int = 200  # optimizer steps: 3.2 epochs of the task's 4,000 pairs (tune.py: flat there)
     batch_size: int = 64  # global batch in pairs per step, all ranks together
     micro_batch_size: int = 32  # pairs per forward on one rank (2x rows); accumulation is derived
@@ -130,31 +132,36 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta, loss="sigmo
 # ==== helpers the loop calls
 
 
-def chosen_len(targets):
-    """Tokens of each chosen response (EOS included) in a [chosen; rejected] batch: (B,)."""
-    return (targets != IGNORE).sum(1).chunk(2)[0]
+def chosen_len(targets, seq=None):
+    """Tokens of each chosen response (EOS included) in a [chosen; rejected] batch, padded (a
+    sequence per row) or packed (seq: each position's sequence id, as pair_logps reads it): (B,)."""
+    keep = targets != IGNORE
+    if seq is None:
+        return keep.sum(1).chunk(2)[0]
+    return torch.bincount(seq[keep], minlength=int(seq.max()) + 1).chunk(2)[0]
 
 
 @torch.no_grad()
 def evaluate_pairs(policy, ref, ref_logps, examples, cfg, d, pad):
     """Held-out DPO loss and reward accuracy over every val pair, ranks taking every world-th
     micro-batch. log π_ref comes from the cache (ref_logps, (2, N)), or from ref (--ref live).
-    In order of length, so each micro-batch is padded only to its own longest row."""
+    Packed; or (--no-pack) in order of length, so each micro-batch is padded only to its own
+    longest row (packing fills rows best from a mix of lengths, as precompute_ref_logps)."""
     loss = correct = n = 0.0
     micro_batch = cfg.micro_batch_size
-    examples = sorted(examples, key=data.longest_row)
+    examples = examples if cfg.pack else sorted(examples, key=data.longest_row)
     # --fsdp: whole weights on every rank for this pass, whose ranks run unequal numbers of
     # forwards (a forward of a sharded model is a collective)
     with gathered(policy, ref):
         for i in range(d.rank * micro_batch, len(examples), d.world * micro_batch):
-            b = data.collate_pairs(examples[i:i + micro_batch], pad)
-            x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
+            b = data.collate_pairs(examples[i:i + micro_batch], pad, cfg.pack * cfg.max_len)
+            x, y, s = data.batch_to(b, d.device)
             with autocast(d.device):
-                pi_c, pi_r = pair_logps(policy, x, y).chunk(2)
+                pi_c, pi_r = pair_logps(policy, x, y, s).chunk(2)
                 ref_c, ref_r = (ref_logps[:, b["index"]].to(d.device) if ref is None
-                                else pair_logps(ref, x, y).chunk(2))
+                                else pair_logps(ref, x, y, s).chunk(2))
             losses, r_c, r_r = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta, cfg.loss,
-                                        cfg.label_smoothing, cfg.rpo_alpha, chosen_len(y))
+                                        cfg.label_smoothing, cfg.rpo_alpha, chosen_len(y, s))
             loss, correct, n = loss + losses.sum(), correct + (r_c > r_r).sum(), n + len(losses)
     s = reduce_sums(d, loss=loss, correct=correct, n=n)
     return s["loss"] / s["n"], s["correct"] / s["n"]
@@ -180,7 +187,8 @@ def setup(cfg, d, log):
     # the cache for these inputs: yours get a folder of their own, and your pairs need your π_ref
     pc = precompute.plan(precompute.Config(
         out_dir=cfg.ref_logps, ref_model=cfg.ref_model, train_pairs=cfg.train_pairs,
-        val_pairs=cfg.val_pairs, max_len=cfg.max_len, max_prompt_len=cfg.max_prompt_len),
+        val_pairs=cfg.val_pairs, max_len=cfg.max_len, max_prompt_len=cfg.max_prompt_len,
+        pack=cfg.pack),
         [("--eval_prompts", cfg.eval_prompts, Config.eval_prompts)])
     # outputs first: a bad folder stops the run now, not after hours (the cache's if it is built)
     caches = [os.path.join(pc.out_dir, f"{split}.safetensors") for split in ("train", "val")]
@@ -264,7 +272,7 @@ def main(cfg):
     opt = adamw(policy, cfg.lr, cfg.weight_decay)
     # cached and live are the same run, so either may resume the other
     start, state = resume(ckpt_dir, cfg, {"model": policy, "optim": opt}, d.device, log.print,
-                          inputs, free=("resume", "stop_after", "ref", "compile", "fsdp"))
+                          inputs, free=("resume", "stop_after", "ref", "compile", "fsdp", "pack"))
     first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
@@ -284,12 +292,13 @@ def main(cfg):
         lr = set_lr(opt, lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac))
 
         # -- batch: this rank's share of the step's global batch, sorted by length and cut into
-        # micro-batches of pairs, each padded to its own longest row (the batch's loss and gradient
-        # are the unsorted batch's: data.global_batch)
+        # micro-batches of pairs, each packed into rows of max_len (--no-pack: padded to its own
+        # longest row; the batch's loss and gradient are the unsorted batch's: data.global_batch)
         mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
         mine = data.rank_slice(mine, d.rank, d.world)
         cut = [mine[m * micro_batch:(m + 1) * micro_batch] for m in range(accum)]
-        batches = [data.collate_pairs([train[i] for i in rows], tok.pad) for rows in cut]
+        batches = [data.collate_pairs([train[i] for i in rows], tok.pad, cfg.pack * cfg.max_len)
+                   for rows in cut]
         meter.lap("batch")
 
         # -- reference log-probs: a lookup in precompute.py's cache, no model and no FLOPs
@@ -299,27 +308,27 @@ def main(cfg):
             if ref is None:
                 ref_lp.append(ref_train[:, b["index"]].to(d.device))  # (2, micro_batch)
                 continue
-            x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
+            x, y, s = data.batch_to(b, d.device)
             with torch.no_grad(), autocast(d.device):  # frozen: no activations kept
-                ref_lp.append(pair_logps(ref, x, y).view(2, -1))
-            meter.count(*batch_flops(ref.config, x, y, tok.pad))
+                ref_lp.append(pair_logps(ref, x, y, s).view(2, -1))
+            meter.count(*batch_flops(ref.config, x, y, tok.pad, seq=s))
         meter.lap("reference")
 
         for m, b in enumerate(batches):
-            x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
+            x, y, s = data.batch_to(b, d.device)
             with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
                 # -- policy forward: one forward over [chosen; rejected] scores both halves
                 with autocast(d.device):
-                    pi_c, pi_r = pair_logps(model, x, y).chunk(2)  # (micro_batch,) each
+                    pi_c, pi_r = pair_logps(model, x, y, s).chunk(2)  # (micro_batch,) each
                 meter.lap("policy_forward")
                 # -- loss: Eq. 7, the β·KL constraint inside it. Summed over the micro-batch and
                 # divided by the global batch, x world as DDP averages over ranks: the gradient
                 # is the global batch's mean for any world size and accumulation.
                 losses, r_c, r_r = dpo_loss(pi_c, pi_r, *ref_lp[m], cfg.beta, cfg.loss,
-                                            cfg.label_smoothing, cfg.rpo_alpha, chosen_len(y))
+                                            cfg.label_smoothing, cfg.rpo_alpha, chosen_len(y, s))
                 (losses.sum() * d.world / cfg.batch_size).backward()
                 meter.lap("loss")  # the backward included
-            meter.count(*batch_flops(policy.config, x, y, tok.pad, backward=True))
+            meter.count(*batch_flops(policy.config, x, y, tok.pad, backward=True, seq=s))
             meter.add(loss=losses.detach(), r_chosen=r_c, r_rejected=r_r,
                       correct=(r_c > r_r).float(), logp_chosen=pi_c.detach(),
                       logp_rejected=pi_r.detach(), tokens=(x != tok.pad).float())

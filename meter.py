@@ -89,13 +89,15 @@ def count_flops(fn):
         out = fn()
     return out, fc.get_total_flops()
 
-def batch_flops(config, x, y, pad, backward=False):
+def batch_flops(config, x, y, pad, backward=False, seq=None):
     """(executed, needed) FLOPs of a forward (backward=True: and its backward) over a collate()
     batch: input_ids x (B,T), targets y; the head runs at the positions with a target, the real
-    tokens are x's non-pad ones."""
+    tokens are x's non-pad ones. seq: a packed batch's sequence ids (data.pack_pairs), whose
+    sequences, not rows, are what causal attention needs; its kernels still run T x T per row."""
     K = int((y != IGNORE).sum())
+    lengths = (x != pad).sum(1) if seq is None else torch.bincount(seq[seq >= 0])
     return (estimate_flops(config, *x.shape, backward=backward, outputs=K),
-            model_flops(config, (x != pad).sum(1), K, backward=backward))
+            model_flops(config, lengths, K, backward=backward))
 
 
 # -----------------------------------------------------------------------------

@@ -134,11 +134,13 @@ class GPT(nn.Module):
 
     def forward(self, idx, mask=None, pos=None, kv_cache=None, at=None):
         """idx (B,T) long. mask (B,S) bool, True on real tokens; S = T, or (tokens already in the
-        cache) + T. pos (B,T) long position ids; default: from the mask (real tokens before, so left
-        padding does not shift positions), or 0..T-1 without one. kv_cache: from new_kv_cache; needs
-        a mask. Returns logits (B,T,V) for head "lm", values (B,T) for head "scalar". With at (B,T)
-        bool,
-        only the K positions where it is True, in row-major order: (K,V) or (K,)."""
+        cache) + T. Or mask (B,T) long, a packed batch (data.pack_pairs): the sequence each position
+        belongs to, each sequence contiguous in its row (-1 on the padding at a row's end). pos
+        (B,T) long position ids; default: from the mask (real tokens before, so left padding does
+        not shift positions; a packed sequence starts at 0), or 0..T-1 without one. kv_cache: from
+        new_kv_cache; needs a bool mask. Returns logits (B,T,V) for head "lm", values (B,T) for
+        head "scalar". With at (B,T) bool, only the K positions where it is True, in row-major
+        order: (K,V) or (K,)."""
         B, T = idx.shape
         assert kv_cache is None or mask is not None, \
             "a KV cache needs the mask of everything it holds"
@@ -146,11 +148,22 @@ class GPT(nn.Module):
         start = S - T  # tokens already in the cache
         assert S <= self.config.block_size, \
             f"sequence of {S} tokens > block_size {self.config.block_size}"
+        packed = mask is not None and mask.dtype != torch.bool
+        assert kv_cache is None or not packed, "a KV cache needs a bool mask, not a packed one"
+        t = torch.arange(T, device=idx.device)
+        if pos is None and packed:  # each sequence from 0: its offset from its own first token
+            first = torch.ones_like(mask, dtype=torch.bool)
+            first[:, 1:] = mask[:, 1:] != mask[:, :-1]
+            pos = t - torch.where(first, t, 0).cummax(1).values
         if pos is None:
-            pos = (torch.arange(T, device=idx.device).expand(B, T) if mask is None
+            pos = (t.expand(B, T) if mask is None
                    else (mask.long().cumsum(1) - 1).clamp(min=0)[:, start:])
         attn_mask = None
-        if mask is not None:
+        if packed:  # block-diagonal causal: a query sees the keys of its own sequence up to itself
+            # (padding is a sequence of its own, so no row of the mask is empty)
+            same = mask[:, None, :, None] == mask[:, None, None, :]  # (B,1,T,T)
+            attn_mask = same & (t[None, :] <= t[:, None])
+        elif mask is not None:
             i = torch.arange(start, S, device=idx.device)[:, None]  # (T,1) query positions
             j = torch.arange(S, device=idx.device)[None, :]         # (1,S) key positions
             # causal and real, OR itself: a left-pad query has no real key to its left, and a row of
@@ -221,12 +234,18 @@ def sequence_logprobs(model, idx, targets, mask=None, temperature=1.0, entropy=F
     return spread(lp), spread(-(logq.exp() * logq).sum(-1))
 
 
-def pair_logps(model, input_ids, targets):
-    """Each row's summed response log-prob (2B,) fp32, from one forward over a [chosen; rejected]
-    batch (data.collate_pairs): prompt and padding have target IGNORE, so they add exactly 0 (the
-    LM head does not even run there). The policy, the live π_ref and the reference cache all go
-    through here."""
-    return sequence_logprobs(model, input_ids, targets).sum(-1)
+def pair_logps(model, input_ids, targets, seq=None):
+    """Each sequence's summed response log-prob (2B,) fp32, from one forward over a [chosen;
+    rejected] batch: prompt and padding have target IGNORE, so they add exactly 0 (the LM head does
+    not even run there). seq None: a padded batch (data.collate_pairs), a sequence per row. seq
+    (R,L) long: a packed one (data.pack_pairs), the sequence id of each position, 0..2B-1 in the
+    order of a padded batch's rows, so the result is the same (to fp32 rounding). The policy, the
+    live π_ref and the reference cache all go through here."""
+    lp = sequence_logprobs(model, input_ids, targets, mask=seq)
+    if seq is None:
+        return lp.sum(-1)
+    keep = targets != IGNORE  # a packed row's padding (seq -1) has no target
+    return lp.new_zeros(int(seq.max()) + 1).index_add(0, seq[keep], lp[keep])
 
 
 def last_index(mask):
@@ -237,9 +256,16 @@ def last_index(mask):
 
 def score_at_last(values, mask):
     """A scalar head's reading of each sequence: its output (B,T) at the last real token, mask
-    (B,T) True on real tokens. Read after the EOS was seen, so the whole response is scored
-    (Stiennon et al. 2020 read the same place); causal attention makes it blind to later padding."""
-    return values.gather(1, last_index(mask)[:, None]).squeeze(1)
+    (B,T) True on real tokens: (B,). Or mask (R,L) long, a packed batch's sequence ids (as in
+    GPT.forward): at each sequence's own last token, (number of sequences,). Read after the EOS was
+    seen, so the whole response is scored (Stiennon et al. 2020 read the same place); causal
+    attention makes it blind to later padding, and the packed mask to the sequences after it."""
+    if mask.dtype == torch.bool:
+        return values.gather(1, last_index(mask)[:, None]).squeeze(1)
+    seq, flat = mask.flatten(), torch.arange(mask.numel(), device=mask.device)
+    keep = seq >= 0
+    last = flat.new_zeros(int(seq.max()) + 1).scatter_reduce(0, seq[keep], flat[keep], "amax")
+    return values.flatten()[last]
 
 
 def new_kv_cache(model, B, max_len, device, dtype):

@@ -44,6 +44,7 @@ class Config:
     max_len: int = 64  # tokens of prompt + response, BOS and EOS included; longer pairs are cut
     max_prompt_len: int = 16  # a cut prompt keeps at least this many tokens (data.tokenize_pairs)
     micro_batch_size: int = 64  # pairs per forward (2x rows: [chosen; rejected])
+    pack: bool = True  # pack sequences into rows of max_len (data.pack_pairs); the same cache
     fsdp: bool = False  # shard π_ref's weights over the ranks (FSDP2); the same cache either way
 
 
@@ -112,7 +113,7 @@ def command(cfg):
 
 
 @torch.no_grad()
-def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
+def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d, pack_len=0):
     """π_ref's summed log-probs of every example, sharded over ranks. Returns (2, n_rows) fp32,
     rows [chosen; rejected], keyed by example["index"]; NaN on rows tokenize_pairs left out; and
     the cost. Each rank takes whole micro-batches (batch i goes to rank i % world), so the batches,
@@ -120,12 +121,16 @@ def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
     the last shard by repeating rows, which a sum over ranks would count twice: here the shards are
     uneven and a per-row count proves each index was filled exactly once. The examples are batched
     in order of length (a fixed order, so still the same batches on any world size): each batch is
-    padded only to its own longest row."""
+    padded only to its own longest row; or (pack_len) in their order, packed into rows of pack_len
+    tokens."""
     model.eval()
     acc = torch.zeros(3, n_rows, device=d.device)  # chosen, rejected, times filled
     # real tokens, positions, FLOPs executed (padding included), FLOPs the real tokens need
     cost = torch.zeros(4, dtype=torch.float64, device=d.device)
-    examples = sorted(examples, key=data.longest_row)
+    # padded, in order of length: each batch pads to its own longest row; packed, in the file's
+    # order: first-fit fills rows best from a mix of lengths (on the task: 1.03 positions per real
+    # token, against 1.15 from batches of one length)
+    examples = examples if pack_len else sorted(examples, key=data.longest_row)
     batches = [examples[i:i + micro_batch_size]
                for i in range(0, len(examples), micro_batch_size)]
     mine = batches[d.rank::d.world]
@@ -134,17 +139,17 @@ def precompute_ref_logps(model, examples, n_rows, micro_batch_size, pad, d):
     turns = -(-len(batches) // d.world) if sharded(model) else len(mine)
     for j in range(turns):
         rows = mine[min(j, len(mine) - 1)] if mine else batches[0]
-        b = data.collate_pairs(rows, pad)
-        x, y = b["input_ids"].to(d.device), b["targets"].to(d.device)
+        b = data.collate_pairs(rows, pad, pack_len)
+        x, y, s = data.batch_to(b, d.device)
         idx = b["index"].to(d.device)
         with autocast(d.device):  # the same precision dpo.py's training forward uses
-            logp = pair_logps(model, x, y).float()  # (2B,)
+            logp = pair_logps(model, x, y, s).float()  # (2B,)
         if j >= len(mine):
             continue
         B = len(rows)
         acc[0, idx], acc[1, idx], acc[2, idx] = logp[:B], logp[B:], acc[2, idx] + 1
         cost += torch.tensor([(x != pad).sum().item(), x.numel(),
-                              *batch_flops(model.config, x, y, pad)],
+                              *batch_flops(model.config, x, y, pad, seq=s)],
                              dtype=torch.float64, device=d.device)
     # one collective each: a value + 0 from the others is exact
     all_reduce_sum(acc, d), all_reduce_sum(cost, d)
@@ -188,7 +193,7 @@ def main(cfg):
             log(warn)
         t0 = time.perf_counter()
         logps, cost = precompute_ref_logps(model, examples, len(rows), cfg.micro_batch_size,
-                                           tok.pad, d)
+                                           tok.pad, d, cfg.pack * cfg.max_len)
         cost.update(wall_s=time.perf_counter() - t0, world=d.world, device=str(d.device))
         path = os.path.join(cfg.out_dir, f"{split}.safetensors")
         if d.is_main:

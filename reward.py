@@ -56,6 +56,7 @@ class Config:
     ckpt_every: int = 100  # steps between checkpoints (and one at the end)
     offset_samples: int = 512  # π_ref completions scored to find the offset
     seed: int = 1337  # data order and sampling
+    pack: bool = True  # pack sequences into rows of block_size (data.pack_pairs), not pad them
     fsdp: bool = False  # shard weights, grads and AdamW state over the ranks (FSDP2), not DDP
     resume: bool = True  # continue from out_dir/ckpt if it holds this same config
     stop_after: int = 0  # stop after this many steps of this run, checkpointed (0 = run to the end)
@@ -72,9 +73,13 @@ def bt_loss(r_chosen, r_rejected):
     return -F.logsigmoid(r_chosen - r_rejected).mean()
 
 
-def pair_mask(targets):
-    """Real-token mask (N,T) of a right-padded collate() batch from its targets: token t is a
-    response token when targets[t-1] != -100 (position t-1 predicts it); the prompt comes first."""
+def pair_mask(targets, seq=None):
+    """The mask score_at_last reads a pair batch's sequences with. A packed batch (seq): its
+    sequence ids, so each is read at its own last token. A right-padded one: the real tokens (N,T)
+    from its targets: token t is a response token when targets[t-1] != -100 (position t-1 predicts
+    it); the prompt comes first."""
+    if seq is not None:
+        return seq
     m = torch.zeros_like(targets, dtype=torch.bool)
     m[:, 1:] = targets[:, :-1] != -100
     return m
@@ -85,25 +90,28 @@ def pair_mask(targets):
 
 
 @torch.no_grad()
-def pair_scores(model, examples, pad, micro_batch_size, device):
+def pair_scores(model, examples, pad, micro_batch_size, device, pack_len=0):
     """r_φ on both sides of every example: two (n,) tensors, chosen and rejected."""
     rc, rr = [], []
     for i in range(0, len(examples), micro_batch_size):
-        b = data.collate_pairs(examples[i:i + micro_batch_size], pad)
-        x, m = b["input_ids"].to(device), pair_mask(b["targets"]).to(device)
-        with autocast(device):
-            r = score_at_last(model(x).float(), m)  # right-padded: no mask needed (causal)
+        b = data.collate_pairs(examples[i:i + micro_batch_size], pad, pack_len)
+        x, y, s = data.batch_to(b, device)
+        with autocast(device):  # right-padded (s None): no mask needed (causal)
+            r = score_at_last(model(x, mask=s).float(), pair_mask(y, s))
         rc.append(r[:len(r) // 2]), rr.append(r[len(r) // 2:])
     return torch.cat(rc), torch.cat(rr)
 
 
 def val_metrics(model, examples, pad, cfg, d):
-    """Held-out accuracy (ties count half) and loss, sharded over ranks; in order of length, so each
-    micro-batch is padded only to its own longest row."""
+    """Held-out accuracy (ties count half) and loss, sharded over ranks; packed, or (--no-pack) in
+    order of length, so each micro-batch is padded only to its own longest row."""
     model.eval()
-    mine = sorted(examples, key=data.longest_row)[d.rank::d.world]
+    # packed: in their order (a mix of lengths fills rows best, as precompute_ref_logps)
+    mine = (examples if cfg.pack else sorted(examples, key=data.longest_row))[d.rank::d.world]
     with gathered(model):  # --fsdp: whole weights on every rank; ranks run unequal counts
-        rc, rr = pair_scores(model, mine, pad, cfg.micro_batch_size, d.device)
+        # --pack: rows as long as the longest pair (any length that fits them gives these numbers)
+        rc, rr = pair_scores(model, mine, pad, cfg.micro_batch_size, d.device,
+                             cfg.pack * max(map(data.longest_row, mine), default=0))
     s = reduce_sums(d, correct=((rc > rr).float() + 0.5 * (rc == rr).float()).sum(),
                     loss=-F.logsigmoid(rc - rr).sum(), n=len(rc))
     model.train()
@@ -218,7 +226,7 @@ def main(cfg):
     model = wrap(reward_model, d, fsdp=cfg.fsdp)
     opt = adamw(reward_model, cfg.lr, cfg.weight_decay)
     start, state = resume(ckpt_dir, cfg, {"model": reward_model, "optim": opt}, d.device,
-                          log.print, inputs)
+                          log.print, inputs, free=("resume", "stop_after", "fsdp", "pack"))
     first_loss = state.get("first_loss")  # the divergence guard's scale, kept across resumes
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
@@ -235,27 +243,29 @@ def main(cfg):
     for step in range(start, end):
         meter.start()
         lr = set_lr(opt, lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac))
-        # sorted by length: each micro-batch padded to its own longest row (data.global_batch)
+        # sorted by length: each micro-batch packed into rows of block_size (data.pack_pairs),
+        # or (--no-pack) padded to its own longest row (data.global_batch)
         mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
         mine = data.rank_slice(mine, d.rank, d.world)
         for m in range(accum):
             rows = mine[m * micro_batch:(m + 1) * micro_batch]
-            b = data.collate_pairs([train[i] for i in rows], tok.pad)
-            x, mask = b["input_ids"].to(d.device), pair_mask(b["targets"]).to(d.device)
+            b = data.collate_pairs([train[i] for i in rows], tok.pad, cfg.pack * block)
+            x, y, seq = data.batch_to(b, d.device)
             with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
-                with autocast(d.device):
-                    r = score_at_last(model(x).float(), mask)  # (2B,): [chosen; rejected]
+                with autocast(d.device):  # (2B,): [chosen; rejected]
+                    r = score_at_last(model(x, mask=seq).float(), pair_mask(y, seq))
                 rc, rr = r.chunk(2)
                 loss = bt_loss(rc, rr)
                 # bt_loss is a mean over this micro-batch: rescale it to a mean over the global
                 # batch (x world: DDP averages over ranks)
                 (loss * len(rc) * d.world / cfg.batch_size).backward()
-            real = (x != tok.pad).sum(1)
+            # real tokens of each sequence
+            real = (x != tok.pad).sum(1) if seq is None else torch.bincount(seq[seq >= 0])
             meter.add(loss=loss.detach() * len(rc), correct=(rc > rr).float(),
                       margin=(rc - rr).detach(), tokens=real)
-            # forward + backward; the head needs one position per row, but runs at all of them
+            # forward + backward; the head needs one position per sequence, but runs at all
             meter.count(estimate_flops(reward_model.config, *x.shape, True),
-                        model_flops(reward_model.config, real, len(x), True))
+                        model_flops(reward_model.config, real, len(real), True))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
         tot = meter.reduce()
         s = {k: tot[k] / cfg.batch_size for k in ("loss", "correct", "margin")}  # means per pair

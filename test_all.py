@@ -1900,6 +1900,75 @@ def test_grouped_micro_batches_with_targets_only_give_todays_loss_and_gradients(
     assert n_ours < n_today  # and each micro-batch was cut to its own longest row (808 < 896)
 
 
+def test_packed_batches_give_the_padded_logprobs_loss_and_gradients(tiny):  # noqa: F811
+    # data.pack_pairs puts the same 2B sequences whole into rows of max_len with no padding
+    # between them; GPT.forward(mask=seq) attends only within a sequence and restarts its
+    # positions at 0, so each sequence's log-probs, the DPO loss and its gradients are the padded
+    # batch's. float64: the two differ only in summation order (~1e-13); attention that crosses a
+    # sequence boundary, positions that run on, or a sum over the wrong sequence move them by
+    # > 1e-3.
+    model = load_model(f"{tiny.sft}/model.safetensors")[0].double().eval()
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    ex, _ = data.tokenize_pairs(tok, data.read_pairs(f"{tiny.task}/pairs_train.jsonl")[:16], 64, 16)
+    ref = -30 + torch.randn(2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    padded, packed = data.collate_pairs(ex, tok.pad), data.collate_pairs(ex, tok.pad, 64)
+    assert padded["seq"] is None and packed["index"].tolist() == padded["index"].tolist()
+    # the layout: sequence k of the packed batch is row k of the padded one, whole and contiguous
+    x, y, s = packed["input_ids"], packed["targets"], packed["seq"]
+    assert x.shape[1] <= 64 and x.numel() < padded["input_ids"].numel()
+    assert (x != tok.pad).sum() == (padded["input_ids"] != tok.pad).sum() == (s >= 0).sum()
+    assert sum((s[:, 1:] != s[:, :-1]).sum(1) + 1) <= 32 + len(x)  # each sequence one run
+    for k in range(32):
+        real = padded["input_ids"][k] != tok.pad
+        assert x[s == k].tolist() == padded["input_ids"][k][real].tolist()
+        assert y[s == k].tolist() == padded["targets"][k][real].tolist()
+    assert ((s >= 0).sum(1) > 64 // 2).sum() >= len(x) - 1  # full rows: at most one half empty
+    ps = list(model.parameters())
+
+    def loss_and_grads(b):
+        lp = pair_logps(model, b["input_ids"], b["targets"], b["seq"])
+        losses, _, _ = dpo.dpo_loss(*lp.chunk(2), *ref, beta=0.1)
+        return lp, losses.mean(), torch.autograd.grad(losses.mean(), ps)
+
+    lp_pad, loss_pad, g_pad = loss_and_grads(padded)
+    lp_pack, loss_pack, g_pack = loss_and_grads(packed)
+    torch.testing.assert_close(lp_pack, lp_pad, atol=1e-10, rtol=0)
+    assert abs(loss_pack.item() - loss_pad.item()) < 1e-12
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(g_pad, g_pack))
+    # fp32, as the runs compute: the same to fp32 rounding of sums of about 30 nats
+    model.float()
+    with torch.no_grad():
+        got = [pair_logps(model, b["input_ids"], b["targets"], b["seq"]) for b in (padded, packed)]
+    torch.testing.assert_close(got[1], got[0], atol=1e-4, rtol=0)
+
+
+def test_packed_reward_reads_each_sequence_at_its_own_last_token(tiny):  # noqa: F811
+    # r_φ's reading of a packed batch (model.score_at_last with the sequence ids) is each
+    # sequence's last token, as alone and as in a padded batch; reward.pair_scores gives the
+    # same scores packed or padded
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=2, n_embd=16,
+                      head="scalar")).eval()
+    torch.nn.init.normal_(m.score.weight)  # the zero init would make every score 0
+    ex = [dict(index=i, prompt=[1, 2 + i], chosen=[5 + i] * (3 + i), rejected=[9] * (8 - i))
+          for i in range(4)]
+    b = data.pack_pairs(ex, 49, 16)
+    assert len(b["input_ids"]) < 8  # packed: rows hold more than one sequence
+    with torch.no_grad():
+        got = score_at_last(m(b["input_ids"], mask=b["seq"]), b["seq"])
+        alone = [m(torch.tensor([e["prompt"] + e[k]]))[0, -1] for k in ("chosen", "rejected")
+                 for e in ex]
+    torch.testing.assert_close(got, torch.stack(alone), atol=1e-5, rtol=0)
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    rm = load_model(f"{tiny.sft}/model.safetensors", head="scalar")[0].eval()
+    torch.nn.init.normal_(rm.score.weight, generator=torch.Generator().manual_seed(0))
+    val, _ = data.tokenize_pairs(tok, data.read_pairs(f"{tiny.task}/pairs_val.jsonl")[:24], 64, 16)
+    cpu = torch.device("cpu")
+    padded, packed = (reward.pair_scores(rm, val, tok.pad, 8, cpu, n) for n in (0, 64))
+    for a, p in zip(padded, packed):
+        torch.testing.assert_close(p, a, atol=1e-4, rtol=0)
+
+
 # -----------------------------------------------------------------------------
 # the training loop
 
@@ -1977,6 +2046,34 @@ def test_cached_equals_live(tiny, dpo_cache):  # noqa: F811
             "samples"} <= ev.keys()
 
 
+def test_packed_run_equals_padded_and_either_reads_the_others_cache(tiny, dpo_cache):  # noqa: F811
+    # the layout is not part of what the cache holds: a cache written packed (dpo_cache, the
+    # default) and one written padded have one fingerprint, hold the same numbers to fp32 rounding,
+    # and each is read by a run of the other layout, which logs the same steps
+    padded_cache = str(tiny.root / "dpo-cache-padded")
+    precompute.main(replace(dpo_pcfg(tiny), out_dir=padded_cache, pack=False))
+    for split in ("train", "val"):
+        files = [os.path.join(c, f"{split}.safetensors") for c in (dpo_cache, padded_cache)]
+        fps = []
+        for f in files:
+            with safe_open(f, "pt") as h:
+                fps.append(json.loads(h.metadata()["fingerprint"]))
+        assert fps[0] == fps[1]
+        a, b = (load_file(f) for f in files)
+        assert dpo_max_diff(a, b) < 1e-4
+    runs = {}
+    for pack, cache in ((False, dpo_cache), (True, padded_cache)):
+        cfg = dpo_cfg(tiny, f"dpo-pack-{pack}", pack=pack, ref_logps=cache)
+        dpo.main(cfg)
+        runs[pack] = dpo_metrics(cfg.out_dir)
+    a, b = runs[False], runs[True]
+    assert [x["step"] for x in a] == [y["step"] for y in b] and "val_loss" in a[-1]
+    for k in ("loss", "rewards/margins", "grad_norm", "val_loss", "val_accuracy"):
+        assert all(abs(x[k] - y[k]) <= DPO_TOL for x, y in zip(a, b) if k in x), k
+    # the FLOPs the real tokens need do not depend on how they are laid out
+    assert all(x["flops"] == pytest.approx(y["flops"], rel=1e-12) for x, y in zip(a, b))
+
+
 def test_cache_rows_follow_their_index_when_rows_are_dropped(tiny, dpo_cache):  # noqa: F811
     own = tiny.root / "dpo-dropped"
     os.makedirs(own)
@@ -2040,18 +2137,19 @@ def test_cached_step_costs_the_analytic_fraction_of_a_live_step(  # noqa: F811
         counted[ref] = count_flops(lambda: dpo.main(cfg))[1]
         logged[ref] = dpo_metrics(cfg.out_dir)[0]
     # expected from the model's own sizes and the step's real batches: sorted by length, each
-    # micro-batch padded to its own longest row, the LM head only at its K targets
+    # micro-batch packed into rows of max_len (the default), the LM head only at its K targets
     mcfg = load_model(cfg.ref_model)[0].config
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
     train, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
                                    cfg.max_prompt_len)
     lengths = [data.longest_row(e) for e in train]
     batch = data.global_batch(len(train), cfg.batch_size, 0, cfg.seed, lengths)
-    bs = [data.collate_pairs([train[i] for i in batch[j:j + 8]], tok.pad) for j in (0, 8)]
+    bs = [data.collate_pairs([train[i] for i in batch[j:j + 8]], tok.pad, cfg.max_len)
+          for j in (0, 8)]
     shapes = [(*b["input_ids"].shape, int((b["targets"] != -100).sum())) for b in bs]
-    real = [(b["input_ids"] != tok.pad).sum(1) for b in bs]
+    real = [torch.bincount(b["seq"][b["seq"] >= 0]) for b in bs]  # each sequence's tokens
 
-    def hardware(bw):  # executed: padded shapes, the head at the K targets
+    def hardware(bw):  # executed: the rows' shapes, the head at the K targets
         return sum(estimate_flops(mcfg, n, t, bw, outputs=k) for n, t, k in shapes)
 
     def needed(bw):  # by the real tokens
@@ -2525,6 +2623,19 @@ def test_reward_two_ranks_equal_one_process(tiny, tiny_rm, tmp_path):
         assert abs(ea[k] - eb[k]) <= TWO_RANK_TOL, k
 
 
+def test_reward_packed_equals_padded(tiny, tmp_path):  # noqa: F811
+    # reward.py packed (the default) and --no-pack: the same steps, held-out scores and model
+    # FLOPs. Not the offset: the score bias cancels in r_c - r_r, so its gradient is rounding noise,
+    # which AdamW turns into steps of ~lr (see TWO_RANK_TOL), and it differs by ~1e-4 either way.
+    for pack in (True, False):
+        reward.main(reward.Config(**{**reward_args(tiny, tmp_path / str(pack)), "pack": pack}))
+    a, b = read_metrics(tmp_path / "True"), read_metrics(tmp_path / "False")
+    assert [x["step"] for x in a] == [y["step"] for y in b] == [1, 4]
+    for k in ("loss", "accuracy", "margin", "grad_norm", "val_loss", "val_accuracy", "flops"):
+        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)
+                   if k in x), k
+
+
 def test_reward_offset_makes_pi_refs_completions_score_zero_on_average(tiny, tiny_rm):
     # the folded offset, read back: r_φ on the same π_ref completions (the same samples on any
     # world size) now averages 0, and before the fold it averaged the saved offset
@@ -2782,7 +2893,8 @@ def test_online_round_equals_dpo_step_on_the_same_pairs(tiny, monkeypatch):  # n
     # round 2's loss pins the update.
     for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
               "logps/chosen", "logps/rejected", "grad_norm", "lr"):
-        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)), k
+        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)
+                   if k in x), k
     assert a[0]["kl"] == 0.0 and a[1]["kl"] != 0.0  # π = π_ref exactly in round 1, not after
 
 
@@ -2838,7 +2950,8 @@ def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted
     for k in ("ties", "eos_rate", "response_len", "true_reward"):
         assert [x[k] for x in a] == [y[k] for y in b], k
     for k in ("loss", "rewards/margins", "score", "kl", "logps/chosen", "grad_norm"):
-        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)), k
+        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)
+                   if k in x), k
     assert all(0 < x["ties"] < 1 for x in a)  # neither vacuous nor all ties: the labels matter
     # --fsdp on the same 2 ranks: policy, π_ref and r_φ sharded, the same rounds (the same
     # tolerance: sharding changes only the order of fp32 sums), the model saved whole
@@ -3921,7 +4034,8 @@ def test_fsdp_resumes_a_one_process_checkpoint_and_back(tiny, dpo_cache):  # noq
     # step 2 ran on 2 ranks: DPO_TOL's reasoning (its sums in another order); steps 1 and 3 in
     # one process, 3 from weights and Adam state that went through the shards and back
     for k in ("loss", "rewards/margins", "logps/chosen", "grad_norm"):
-        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)), k
+        assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)
+                   if k in x), k
 
 
 def test_fsdp_reward_and_ppo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_eval_prompts, tmp_path):

@@ -28,6 +28,7 @@ import dpo
 import online_dpo
 import ppo
 import precompute
+import reward
 from checkpoint import tokenizer_beside
 from meter import count_flops, estimate_flops, generate_flops
 from model import GPT, GPTConfig, generate, load_model, pair_logps, score_at_last, sequence_logprobs
@@ -171,6 +172,36 @@ def reference_flops(c, batches, pad):
         b = data.collate_pairs(rows, pad)
         total += estimate_flops(c, *b["input_ids"].shape, outputs=int((b["targets"] != -100).sum()))
     return total
+
+
+def layouts(task_dir, sft):
+    """{job: {"tokens", "padded", "packed"}}: the real tokens of the pair batches dpo.py (one
+    epoch at its default sizes), precompute.py and reward.py (one epoch) build, and the positions
+    each layout runs them in: padded (data.collate_pairs) and packed (data.pack_pairs). No model
+    runs."""
+    tok = data.load_tokenizer(tokenizer_beside(sft, "--sft"))
+    D, P, R = dpo.Config, precompute.Config, reward.Config
+    pairs = lambda s, n, p: data.tokenize_pairs(  # noqa: E731
+        tok, data.read_pairs(f"{task_dir}/pairs_{s}.jsonl"), n, p)[0]
+    train, val = pairs("train", D.max_len, D.max_prompt_len), pairs("val", D.max_len,
+                                                                    D.max_prompt_len)
+    # the precompute's batches: in order of length when padded, in the files' order when packed
+    cut = lambda ex, n: [ex[i:i + n] for i in range(0, len(ex), n)]  # noqa: E731
+    order = lambda ex, pack: ex if pack else sorted(ex, key=data.longest_row)  # noqa: E731
+    pre = lambda pack: sum((cut(order(ex, pack), P.micro_batch_size)  # noqa: E731
+                            for ex in (train, val)), [])
+    block = load_model(sft)[0].config.block_size
+    dpo_b = dpo_batches(train, D.batch_size, D.micro_batch_size, D.seed)
+    rm_b = dpo_batches(pairs("train", block, R.max_prompt_len), R.batch_size, R.micro_batch_size,
+                       R.seed)
+    jobs = {"dpo.py, one epoch": (dpo_b, dpo_b, D.max_len),
+            "precompute.py (train + val)": (pre(False), pre(True), P.max_len),
+            "reward.py, one epoch": (rm_b, rm_b, block)}
+    ids = lambda bs, n: [data.collate_pairs(b, tok.pad, n)["input_ids"] for b in bs]  # noqa: E731
+    return {job: {"tokens": sum(int((x != tok.pad).sum()) for x in ids(padded, 0)),
+                  "padded": sum(x.numel() for x in ids(padded, 0)),
+                  "packed": sum(x.numel() for x in ids(packed, n))}
+            for job, (padded, packed, n) in jobs.items()}
 
 
 def measure_small(cfg, d, B=32):
@@ -364,6 +395,7 @@ def costs(cfg, d, say):
     res["payback_steps"] = med(lambda r: r["precompute"]["ms"]
                                / max(r["dpo_live"]["ms"] - r["dpo_cache"]["ms"], 1e-9))
     res["payback_flops"] = precompute_payback(cfg, d, f"{cfg.out_dir}/timing/ref_logps")
+    res["layouts"] = layouts(cfg.task, cfg.sft)
     return {**res, "at_7b": at_7b()}
 
 
@@ -398,6 +430,21 @@ def size(b):
 
 
 UNITS = (("positions", "padded position"), ("tokens", "real token"), ("examples", "example"))
+
+
+def layout_table(lay):
+    """layouts' result as markdown: a heading, the table, what the two layouts are."""
+    rows = [[job, f"{r['tokens']:,}", f"{r['padded']:,}", f"{r['padded'] / r['tokens']:.3f}",
+             f"{r['packed']:,}", f"{r['packed'] / r['tokens']:.3f}"] for job, r in lay.items()]
+    return "\n".join([
+        "### Positions per real token: pair batches padded and packed", "",
+        table(["batches", "real tokens", "padded positions", "per real token",
+               "packed positions", "per real token"], rows), "",
+        "Padded: each micro-batch's [chosen; rejected] rows right-padded to its longest row "
+        "(data.collate_pairs, after the length sort of data.global_batch). Packed: the same "
+        "sequences whole in rows of max_len tokens (reward.py: block_size), first-fit "
+        "decreasing (data.pack_pairs), which dpo.py, precompute.py and reward.py run by default. "
+        "Attention still runs max_len x max_len per row."])
 
 
 def costs_markdown(res, cfg):
@@ -468,12 +515,14 @@ def costs_markdown(res, cfg):
         "online DPO's (2B, T) pair rows, PPO's (B, T) rollouts, padding included), per real "
         "token (prompt and response, no padding), per example (a pair for DPO and online DPO, a "
         "rollout for PPO). " + units + ". DPO's batch is the first micro-batch dpo.py runs "
-        "(sorted by length); the LM head runs only where a target exists. PPO's rollout samples "
+        "(sorted by length), padded (--no-pack; packed, it runs the positions per real token of "
+        "the next table); the LM head runs only where a target exists. PPO's rollout samples "
         "with the KV cache; its update is ppo_epochs passes through policy and critic. Online "
         "DPO's round samples two completions of each of PPO's prompts with the KV cache, r_φ "
         "scores all 2B, and the labelled pairs go through π_ref and the policy as in live DPO. "
         f"PPO against cached DPO: {ratios('ppo')}; online DPO against cached DPO: "
         f"{ratios('online_dpo')}.", "",
+        layout_table(res["layouts"]), "",
         f"### Wall time of the real loops (median of {cfg.rounds} interleaved rounds, "
         f"{cfg.time_steps - 1} timed steps each)", "",
         table(["job", "ms per iteration", "examples", "ms per example", "real tokens/s",
