@@ -26,7 +26,7 @@ import torch
 import data
 import dpo
 from checkpoint import tokenizer_beside
-from model import IGNORE, load_model, sequence_logprobs
+from model import IGNORE, last_index, load_model, sequence_logprobs
 from plumbing import parse_config
 from study.results import flags, write_section
 
@@ -52,7 +52,7 @@ def eos_logprob(model_path, pairs_path, tok, cfg):
         b = data.collate_pairs(examples[i:i + 64], tok.pad)
         y = b["targets"][:len(b["targets"]) // 2]  # the chosen rows
         lp = sequence_logprobs(model, b["input_ids"], b["targets"])[:len(y)]
-        last = (y != IGNORE).cumsum(1).argmax(1)  # the first index of the maximum: the last target
+        last = last_index(y != IGNORE)  # each chosen row's last target: EOS, if it kept it
         rows = torch.arange(len(y))
         ends = y[rows, last] == tok.eos
         total, n = total + lp[rows, last][ends].sum().item(), n + int(ends.sum())
