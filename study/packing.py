@@ -41,7 +41,9 @@ class Config:
 
 
 def our_step(cfg, pack):
-    """Median ms of dpo.py's cached step, --pack or --no-pack: cfg.time_steps after a warm-up."""
+    """Median ms of dpo.py's cached step, --pack or --no-pack, cfg.time_steps after a warm-up, and
+    its median utilisation by real tokens (the "mfu" dpo.py logs: the model FLOPs of its real
+    tokens per second over meter.measure_peak_flops)."""
     t = lambda f: os.path.join(cfg.task, f)  # noqa: E731
     out = os.path.join(cfg.out_dir, f"dpo-pack-{pack}")
     dpo.main(dpo.Config(out_dir=out, ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
@@ -50,7 +52,8 @@ def our_step(cfg, pack):
                         eval_every=10 ** 6, resume=False))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [json.loads(line) for line in f][1:]
-    return statistics.median(s["time/step"] for s in steps), None
+    return (statistics.median(s["time/step"] for s in steps),
+            {"mfu": statistics.median(s["mfu"] for s in steps)})
 
 
 def trl_step(cfg, padding_free):
@@ -119,12 +122,13 @@ def markdown(cfg, lay, rounds, reports, alt):
     ours, wall = lay["dpo.py, one epoch"], []
     for name in rounds[0]:
         rep = reports.get(name)
-        per = (rep["positions"] / rep["tokens"] if rep
+        per = (rep["positions"] / rep["tokens"] if "positions" in rep
                else ours["packed" if "packed" in name else "padded"] / ours["tokens"])
         ms = [r[name] for r in rounds if name in r]
         wall.append([name, f"{med(name, lambda r: r[name]):,.0f}",
                      f"{min(ms):,.0f}–{max(ms):,.0f}",
-                     f"{med(name, lambda r: r[name] / r[base]):.2f}×", f"{per:.3f}"])
+                     f"{med(name, lambda r: r[name] / r[base]):.2f}×", f"{per:.3f}",
+                     f"{rep['mfu']:.0%}" if "mfu" in rep else "–"])
     notes = []
     if trl:
         notes.append(f"TRL {trl['trl']} (its DPOTrainer, fp32 on the CPU, SDPA attention, the "
@@ -143,7 +147,7 @@ def markdown(cfg, lay, rounds, reports, alt):
         f"### A cached DPO step, wall time (median of {len(rounds)} interleaved rounds, "
         f"{cfg.time_steps} steps each after a warm-up)", "",
         table(["step", "ms per step", "rounds' range", f"÷ {base} (in-round)",
-               "positions per real token"], wall), "",
+               "positions per real token", "utilisation by real tokens"], wall), "",
         " ".join(notes + [
             "dpo.py's positions per real token are over one epoch of its micro-batches (above); "
             "TRL's over the training micro-batches its timed run built. The machine is shared: "
@@ -151,7 +155,10 @@ def markdown(cfg, lay, rounds, reports, alt):
             "taken within a round, where it moves the jobs alike only as far as it stays put. "
             "Alternated micro-batch by micro-batch in one process (study.packing.alternated), "
             f"the policy's forward and backward took {alt:.2f}× the padded time packed (median "
-            "over 32 micro-batches)."])])
+            "over 32 micro-batches). Utilisation by real tokens: the model FLOPs of the step's "
+            "real tokens per second over this CPU's measured matmul peak at the model's shapes "
+            "(meter.measure_peak_flops), as dpo.py logs it (\"mfu\", the median of the last "
+            "round's timed steps); TRL logs no such number."])])
 
 
 if __name__ == "__main__":
