@@ -1,0 +1,153 @@
+"""The statistics the quality verdict is read with: what a method attains at a KL, how sure we are.
+
+    pytest tests/test_envelope.py           # the tests: hulls, selection, bootstrap, t-intervals
+
+Pure functions of numbers, no torch. A method is trained at several configurations (DPO β × lr, PPO
+KL coefficient), each once per training seed; every run is evaluated on validation and on test
+prompts. A method's configs: {name: [one dict per seed with val_kl, val_reward, test_kl,
+test_reward]}, KL(π‖π_ref) in nats, the hidden true reward in its own units.
+- Mixing two policies (one of them at random per prompt) attains their weighted reward at no more
+  than their weighted KL, KL being convex in π; so what a method attains is the upper concave
+  envelope of the points it reached, read only between its measured ends.
+- Selection reads validation only (which configurations are the envelope's vertices), reported
+  numbers read test only (the envelope of those configurations' test means).
+- Intervals are 95%: a percentile bootstrap over seeds for a matched-KL difference, Student t
+  across seeds for a mean, Welch for a difference of means. A difference counts when its 95%
+  interval excludes 0.
+"""
+import itertools
+import math
+import random
+from statistics import fmean, variance
+
+# Student t's 0.975 quantile for df 1..30 (two-sided 95%); the normal's beyond
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+        2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+        2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+Z975 = 1.960
+
+
+def upper_envelope(points):
+    """The vertices, in order of KL, of the least concave function on or above every point (kl,
+    reward), over [min kl, max kl]; [] for no points. Andrew's monotone chain, upper half: a point
+    on or below the chord of its neighbours is no vertex (a mixture does as well), and the last
+    point stays even when its reward is lower (nothing measured lies further right)."""
+    best = {}
+    for kl, r in points:  # at one KL only the higher reward is attainable by mixing
+        best[kl] = max(r, best.get(kl, r))
+    hull = []
+    for p in sorted(best.items()):
+        # pop while the last vertex lies on or below the chord from its predecessor to p
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) >= 0:
+            hull.pop()
+        hull.append(p)
+    return hull
+
+
+def envelope_at(vertices, x):
+    """The envelope's value at KL x, linear between the two vertices that bracket x; None outside
+    [first kl, last kl]: no extrapolation, a number only where the method has measured points."""
+    if not vertices or not vertices[0][0] <= x <= vertices[-1][0]:
+        return None
+    for (x0, y0), (x1, y1) in itertools.pairwise(vertices):
+        if x <= x1:
+            return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
+    return vertices[-1][1]  # a single vertex, and x is its kl
+
+
+def mean_point(runs, split):
+    """(mean kl, mean reward) over a configuration's seeds on split ("val" or "test")."""
+    return fmean(r[f"{split}_kl"] for r in runs), fmean(r[f"{split}_reward"] for r in runs)
+
+
+def select_on_val(configs):
+    """(selected, envelope). selected: the names of the configurations whose validation means are
+    vertices of the validation envelope, in order of their validation KL; envelope: the upper
+    envelope of those configurations' test means. A configuration dominated on validation is never
+    chosen, however well it does on test: the test prompts only report."""
+    val = {name: mean_point(runs, "val") for name, runs in configs.items()}
+    vertices = set(upper_envelope(val.values()))
+    selected = sorted((name for name, p in val.items() if p in vertices), key=lambda n: val[n])
+    return selected, upper_envelope([mean_point(configs[n], "test") for n in selected])
+
+
+def percentile(xs, q):
+    """The q-quantile (0 ≤ q ≤ 1) of sorted xs, linear between order statistics."""
+    i = q * (len(xs) - 1)
+    lo = math.floor(i)
+    return xs[lo] + (i - lo) * (xs[min(lo + 1, len(xs) - 1)] - xs[lo])
+
+
+def matched_difference(a, b, x, n_boot=2000, seed=0, level=0.95):
+    """Method a's test envelope minus method b's at KL x, each after selection on validation, with
+    a percentile bootstrap interval over seeds. a, b: configs. Returns {"diff": the difference from
+    all the data (None where either envelope does not reach x), "low", "high": the level interval of
+    the replicates where both reach x (None if none does), "defined": the share of such replicates}.
+    Each replicate resamples every configuration's seeds with replacement, each configuration on its
+    own (its runs are independent of the others'), and redoes the selection: choosing is part of
+    the estimate, so its variance is in the interval. Deterministic given seed."""
+    def diff(a, b):
+        ya, yb = envelope_at(select_on_val(a)[1], x), envelope_at(select_on_val(b)[1], x)
+        return None if ya is None or yb is None else ya - yb
+
+    rng = random.Random(seed)
+
+    def resample(configs):
+        return {name: rng.choices(runs, k=len(runs)) for name, runs in configs.items()}
+
+    reps = sorted(d for d in (diff(resample(a), resample(b)) for _ in range(n_boot))
+                  if d is not None)
+    low, high = ((percentile(reps, (1 - level) / 2), percentile(reps, (1 + level) / 2))
+                 if reps else (None, None))
+    return {"diff": diff(a, b), "low": low, "high": high, "defined": len(reps) / n_boot}
+
+
+def t_quantile(df, p=0.975):
+    """Student t's p-quantile at df degrees of freedom (df ≥ 1, not necessarily an integer, as
+    Welch's): T975 at integer df, linear in 1/df between the bracketing entries, the last ones
+    being df 30 and df ∞ (the normal's 1.960), as printed tables are meant to be read (t is close
+    to linear in 1/df). Only p = 0.975, the two-sided 95% interval, is tabulated."""
+    if p != 0.975:
+        raise ValueError(f"t_quantile has a table for p = 0.975 only (two-sided 95%), not {p}")
+    if not df >= 1:
+        raise ValueError(f"t_quantile needs df >= 1, got {df}")
+    if df >= len(T975):
+        lo, hi, t_lo, t_hi = len(T975), math.inf, T975[-1], Z975
+    else:
+        lo = math.floor(df)
+        hi, t_lo, t_hi = lo + 1, T975[lo - 1], T975[lo]
+    w = (1 / lo - 1 / df) / (1 / lo - 1 / hi)
+    return t_lo + w * (t_hi - t_lo)
+
+
+def mean_interval(xs):
+    """(mean, low, high): the mean over seeds and its 95% t-interval, mean ± t(n − 1)·s/√n with s
+    the sample standard deviation (n − 1); (mean, None, None) for one seed: no spread to read."""
+    n, m = len(xs), fmean(xs)
+    if n < 2:
+        return m, None, None
+    h = t_quantile(n - 1) * math.sqrt(variance(xs) / n)
+    return m, m - h, m + h
+
+
+def welch_interval(xs, ys):
+    """(d, low, high): d = mean(xs) − mean(ys) and its 95% Welch interval, d ± t(ν)·se, se² =
+    s_x²/n_x + s_y²/n_y and ν by Welch–Satterthwaite: the two sets of seeds may differ in number
+    and spread. (d, None, None) when either side has one seed; (d, d, d) when neither spreads."""
+    d = fmean(xs) - fmean(ys)
+    if len(xs) < 2 or len(ys) < 2:
+        return d, None, None
+    vx, vy = variance(xs) / len(xs), variance(ys) / len(ys)
+    if vx + vy == 0:
+        return d, d, d
+    df = (vx + vy) ** 2 / (vx ** 2 / (len(xs) - 1) + vy ** 2 / (len(ys) - 1))
+    h = t_quantile(df) * math.sqrt(vx + vy)
+    return d, d - h, d + h
+
+
+def j_beta(rows, beta):
+    """(mean, low, high) over seeds of J_β = E[r] − β·KL(π‖π_ref) on test prompts, the regularised
+    objective DPO and PPO both claim to maximise (Rafailov et al. 2023, Eq. 3); rows: one dict per
+    seed with test_reward and test_kl. Read at one β it ranks methods with no KL matching."""
+    return mean_interval([r["test_reward"] - beta * r["test_kl"] for r in rows])
