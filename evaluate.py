@@ -23,6 +23,7 @@ kl, eos_rate and response_len stay.
 Any world size samples the same completions: completion j of the whole list draws its tokens from
 row j of uniforms seeded by `seed` (model.generate), and every completion has the same budget.
 """
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -128,6 +129,71 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
     return {**res, "eos_rate": s["eos"] / n, "response_len": s["len"] / n,
             "ref_eos_rate": s["ref_eos"] / n, "ref_response_len": s["ref_len"] / n,
             "n_completions": int(n), "samples": samples}
+
+
+def mixture_logp(logps, weights):
+    """log mix(y) = logsumexp_i(log w_i + log π_i(y)) for the mixture that picks policy i with
+    probability w_i, then samples the whole completion from it. logps (P, B): B completions'
+    summed log-probs under each of P policies; weights (P,), summing to 1. Returns (B,)."""
+    w = torch.as_tensor(weights, dtype=logps.dtype, device=logps.device)
+    return torch.logsumexp(logps + w.log()[:, None], dim=0)
+
+
+@torch.no_grad()
+def evaluate_mixture(policies, weights, ref, tok, prompts, d, k=4, batch_size=64, seed=0,
+                     missing_eos_score=MISSING_EOS_SCORE):
+    """KL(mix‖π_ref) and true reward (the built-in task's prompts only) of the mixture that, for
+    each completion, picks policy i with probability weights[i] and samples the whole completion
+    from it; sharded over ranks as evaluate_policy. Why: a method's frontier is the upper concave
+    envelope of its policies' (KL, reward) points, and this mixture is what backs a point on a
+    chord: its reward is Σ_i w_i r_i, its KL on or below the chord, by the convexity of KL,
+    KL(mix‖π_ref) = Σ_i w_i [KL(π_i‖π_ref) − KL(π_i‖mix)]. The estimate is the mean over its
+    completions of log mix(y) − log π_ref(y), log mix from every policy's log-prob
+    (mixture_logp); kl_std and true_reward_std are per completion, for standard errors."""
+    assert len(policies) == len(weights) >= 2 and abs(sum(weights) - 1) < 1e-9, weights
+    modes = [m.training for m in policies]
+    for m in (*policies, ref):
+        m.eval()
+    block, hidden = policies[0].config.block_size, task.task_prompts(prompts)
+    rows = [(p, data.truncate_prompt(data.encode_prompt(tok, p), block // 2))
+            for p in prompts for _ in range(k)]
+    n_new = block - max(len(x) for _, x in rows)
+    # Row j of U: completion j's draws, as evaluate_policy's, whichever policy samples it; the
+    # choice of policy draws from a stream of its own, independent of them and of π_ref's.
+    U = torch.rand(len(rows), n_new, generator=torch.Generator().manual_seed(seed))
+    pick = torch.multinomial(torch.tensor(weights, dtype=torch.float64), len(rows), True,
+                             generator=torch.Generator().manual_seed(seed + 2 * SEED_STRIDE))
+    mine = list(range(d.rank, len(rows), d.world))
+    sums = dict.fromkeys(("n", "kl", "kl2", "score", "score2"), 0.0)
+    with gathered(*policies):
+        for i, (c, policy) in itertools.product(range(0, len(mine), batch_size),
+                                                enumerate(policies)):
+            j = [a for a in mine[i:i + batch_size] if pick[a] == c]  # the batch's rows for c
+            if not j:
+                continue
+            o = generate(policy, [rows[a][1] for a in j], n_new, tok.eos, tok.pad,
+                         temperature=1.0, uniforms=U[j].to(d.device))
+            logps = torch.stack([completion_logps(m, o).double() for m in policies])  # (P, B)
+            kl = mixture_logp(logps, weights) - completion_logps(ref, o).double()
+            ended = ((o["tokens"] == tok.eos) & o["response_mask"]).any(1).cpu()
+            r = torch.tensor([task.true_reward(rows[a][0], tok.decode(t[m].tolist()))
+                              if hidden else 0.0
+                              for a, t, m in zip(j, o["tokens"], o["response_mask"])],
+                             dtype=torch.float64)
+            score = torch.where(ended, r, missing_eos_score)  # evaluate_policy's rule
+            for key, v in (("n", len(j)), ("kl", kl.sum()), ("kl2", (kl * kl).sum()),
+                           ("score", score.sum()), ("score2", (score * score).sum())):
+                sums[key] += v
+    s = reduce_sums(d, **sums)
+    for m, mode in zip(policies, modes):
+        m.train(mode)
+    n = s["n"]
+    def std(key):
+        return max(s[key + "2"] / n - (s[key] / n) ** 2, 0) ** 0.5
+    res = {"kl": s["kl"] / n, "kl_std": std("kl"), "n_completions": int(n), "weights": weights}
+    if hidden:
+        res |= {"true_reward": s["score"] / n, "true_reward_std": std("score")}
+    return res
 
 
 def summary(res):

@@ -4071,3 +4071,85 @@ def test_fsdp_reward_and_ppo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_eval
             assert abs(x[k] - y[k]) <= TWO_RANK_TOL * max(1, abs(x[k])), k
     ea, eb = (json.loads(open(os.path.join(c.out_dir, "eval.json")).read()) for c in (one, two))
     assert abs(ea["kl"] - eb["kl"]) <= 1e-4 * max(1, abs(ea["kl"]))  # as the DDP test's
+
+
+# ==================================================================================================
+# a mixture of policies: what backs a point on a method's frontier envelope (evaluate.py)
+# ==================================================================================================
+
+def favouring_gpt(token, V, nats, seed=3):
+    """tiny_gpt(seed) whose next-token logits, at every position, are raised by `nats` for `token`:
+    ln_f's bias gains b with wte·b = nats·e_token (wte has full row rank V <= n_embd)."""
+    m = tiny_gpt(seed=seed, vocab_size=V, block_size=6)
+    with torch.no_grad():
+        m.transformer.wte.weight.mul_(8)  # larger logits, as test_evaluation_kl_against_exact_...
+        m.transformer.ln_f.bias += torch.linalg.pinv(m.transformer.wte.weight) @ (
+            nats * F.one_hot(torch.tensor(token), V).double())
+    return m
+
+
+def test_mixture_kl_against_exact_enumeration_below_the_chord():
+    V, eos, pad, prompt, w = 4, 0, 3, [0, 1, 2], [0.3, 0.7]
+    A, B = favouring_gpt(1, V, 4.0), favouring_gpt(2, V, 4.0)  # the same GPT, pulled two ways
+    ref = favouring_gpt(0, V, 0.0, seed=4)
+    ys = all_completions(6 - len(prompt), V, eos)
+    L = len(prompt) + max(map(len, ys))
+    out = {"tokens": torch.tensor([prompt + y + [pad] * (L - len(prompt) - len(y)) for y in ys]),
+           "mask": torch.tensor([[c < len(prompt) + len(y) for c in range(L)] for y in ys])}
+    out["response_mask"] = out["mask"].clone()
+    out["response_mask"][:, :len(prompt)] = False
+    la, lb, lq = (evaluate.completion_logps(m, out) for m in (A, B, ref))  # (40,) each, exact
+    lm = evaluate.mixture_logp(torch.stack([la, lb]), w)
+    # mix(y) = w_A A(y) + w_B B(y), in probability space: a distribution over the completions
+    torch.testing.assert_close(lm.exp(), w[0] * la.exp() + w[1] * lb.exp(), atol=1e-14, rtol=0)
+    assert lm.exp().sum().item() == pytest.approx(1.0, abs=1e-12)
+    def kl(p, q):  # KL between two distributions over ys, given as log-probs
+        return (p.exp() * (p - q)).sum().item()
+    exact, chord = kl(lm, lq), w[0] * kl(la, lq) + w[1] * kl(lb, lq)
+    # KL(mix‖ref) = Σ_i w_i [KL(π_i‖ref) − KL(π_i‖mix)], below the chord by Σ_i w_i KL(π_i‖mix)
+    gap = w[0] * kl(la, lm) + w[1] * kl(lb, lm)
+    assert exact == pytest.approx(chord - gap, abs=1e-12) and gap > 0.3  # measured 0.41 nats
+    # evaluate_mixture's estimate, a mean over n completions, lies within 4 standard errors of
+    # the exact KL; the chord lies 20 standard errors above it, so an estimate that scores a
+    # completion only under the policy that sampled it (whose mean is the chord), or that drops
+    # the log-weights (log mix + log(1/0.7) at least), fails
+    sd = (lm.exp() * (lm - lq - exact) ** 2).sum().item() ** 0.5
+    n = 4000
+    se = sd / n ** 0.5
+    fake = SimpleNamespace(eos=eos, pad=pad, encode=lambda s: [int(x) for x in s.split()],
+                           decode=lambda ids: " ".join(map(str, ids)))
+    res = evaluate.evaluate_mixture([A, B], w, ref, fake, ["1 2"], init_distributed(), k=n,
+                                    batch_size=n)
+    assert res["n_completions"] == n and res["weights"] == w
+    assert chord - exact > 20 * se and abs(res["kl"] - exact) <= 4 * se, (res["kl"], exact, se)
+    assert res["kl_std"] == pytest.approx(sd, rel=0.1)
+
+
+def test_mixture_on_the_task_pays_the_weighted_reward_below_the_weighted_kl(tiny):  # noqa: F811
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    ref = load_model(f"{tiny.sft}/model.safetensors")[0]
+    quitter = constant_gpt(tok.vocab_size, tok.eos)  # B: EOS at once, reward 0, KL −log π_ref(EOS)
+    prompts = data.read_prompts(f"{tiny.task}/prompts_eval.jsonl")[:100]
+    d, w, kw = init_distributed(), [0.3, 0.7], {"k": 2, "missing_eos_score": -3.0}
+    a, b = (evaluate_policy(m, ref, tok, prompts, d, **kw) for m in (ref, quitter))  # A = π_ref
+    aa, bb = (evaluate.evaluate_mixture([m, m], [0.5, 0.5], ref, tok, prompts, d, **kw)
+              for m in (ref, quitter))
+    # a policy mixed with itself is that policy: completion j of either is drawn from row j of
+    # the same uniforms, so both see the same completions and score them by one rule
+    assert (aa["true_reward"], aa["true_reward_std"]) == (a["true_reward"], a["true_reward_std"])
+    assert abs(aa["kl"]) <= 1e-6 and bb["kl"] == pytest.approx(b["kl"], rel=1e-9)
+    mix = evaluate.evaluate_mixture([ref, quitter], w, ref, tok, prompts, d, **kw)
+    n = mix["n_completions"]
+    assert n == a["n_completions"] == 200 and a["kl"] == 0.0
+    # Reward: completion j of the mixture is completion j of the chosen policy's evaluation, so
+    # the gap to the chord's reward is the choice's noise alone, (1/n) Σ_j (1[j chose A] − w_A)
+    # (s_A(j) − s_B(j)), variance w_A w_B E[(s_A − s_B)²] / n <= w_A w_B ((σ_A + σ_B)² + (r_A −
+    # r_B)²) / n. A mixture that always chose A (r_A) lies 11 of these s.e. away (measured).
+    rA, rB, sA, sB = a["true_reward"], b["true_reward"], a["true_reward_std"], b["true_reward_std"]
+    se = (w[0] * w[1] * ((sA + sB) ** 2 + (rA - rB) ** 2) / n) ** 0.5
+    assert rB - rA > 1.0  # measured: 0 against −1.6
+    assert abs(mix["true_reward"] - (w[0] * rA + w[1] * rB)) <= 4 * se, (mix, rA, rB, se)
+    # KL, one-sided: at most the chord's, w_A·0 + w_B·KL(B‖π_ref), within 4 s.e. of the difference
+    # of the two estimates (the s.d. of a difference is at most the sum of the two s.d.)
+    se = (mix["kl_std"] + w[1] * bb["kl_std"]) / n ** 0.5
+    assert mix["kl"] <= w[1] * b["kl"] + 4 * se, (mix["kl"], b["kl"], se)
