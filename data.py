@@ -494,8 +494,9 @@ def rank_slice(indices, rank, world):
 
 def own_data(pairs, out_dir, vocab_size=1024, block_size=0, val_frac=0.1, seed=0, log=print):
     """Writes out_dir/: pairs_{train,val}.jsonl (the rows of `pairs` as strings, a seeded val_frac
-    held out), sft_{train,val}.jsonl ({"text": prompt + chosen}), prompts_eval.jsonl (the held-out
-    prompts), tokenizer.json (byte-level BPE on the train rows). Returns block_size, or (0) the
+    held out), sft_{train,val}.jsonl ({"text": prompt + chosen}), prompts_test.jsonl (the held-out
+    prompts, to report on; choosing settings on them too needs a --val_prompts set of your own),
+    tokenizer.json (byte-level BPE on the train rows). Returns block_size, or (0) the
     smallest that fits every pair (prompt + longer response, BOS and EOS), logging what it cuts."""
     rows = read_pairs(pairs)
     if len(rows) < 2:
@@ -514,7 +515,7 @@ def own_data(pairs, out_dir, vocab_size=1024, block_size=0, val_frac=0.1, seed=0
         atomic_write_text(os.path.join(out_dir, f"pairs_{name}.jsonl"), jsonl(rs))
         atomic_write_text(os.path.join(out_dir, f"sft_{name}.jsonl"),
                           jsonl({"text": r["prompt"] + r["chosen"]} for r in rs))
-    atomic_write_text(os.path.join(out_dir, "prompts_eval.jsonl"),
+    atomic_write_text(os.path.join(out_dir, "prompts_test.jsonl"),
                       jsonl({"prompt": r["prompt"]} for r in split["val"]))
     n_tok = [(len(encode_prompt(tok, r["prompt"])), len(encode_response(tok, r["chosen"])),
               len(encode_response(tok, r["rejected"]))) for r in rows]
@@ -546,8 +547,8 @@ def own_commands(out_dir, block, n_train):
             f"--tokenizer {o('tokenizer.json')} --block_size {block}{batch(32)} "
             f"--out_dir {o('sft')}",
             f"python dpo.py --ref_model {o('sft/model.safetensors')} --train_pairs "
-            f"{o('pairs_train.jsonl')} --val_pairs {o('pairs_val.jsonl')} --eval_prompts "
-            f"{o('prompts_eval.jsonl')} --max_len {block} --max_prompt_len {block // 2}"
+            f"{o('pairs_train.jsonl')} --val_pairs {o('pairs_val.jsonl')} --test_prompts "
+            f"{o('prompts_test.jsonl')} --max_len {block} --max_prompt_len {block // 2}"
             f"{batch(64)} --out_dir {o('dpo')}"]
 
 if __name__ == "__main__":

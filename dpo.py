@@ -35,13 +35,13 @@ import precompute
 import sft
 from checkpoint import (check_step, input_fingerprint, load_ref_logps, prepare_outputs, resume,
                         save_checkpoint, save_outputs, tokenizer_beside)
-from evaluate import evaluate_policy, print_samples, summary
+from evaluate import evaluate_held_out, print_samples, summary
 from meter import Meter, anatomy, batch_flops, format_anatomy, matmul_shapes, measure_peak_flops
 from model import IGNORE, freeze, load_model, pair_logps
 from plumbing import (Logger, adamw, autocast, barrier, check, gathered, init_distributed, lr_at,
                       parse_config, precision, reduce_sums, require_stage, set_lr, sharded,
                       split_batch, sync_grads, teardown, wrap)
-from task import require_task, task_pool_best
+from task import require_task
 
 # ==== config
 
@@ -52,7 +52,8 @@ class Config:
     ref_model: str = "out/sft/model.safetensors"  # π_ref, where the policy starts; built if missing
     train_pairs: str = "out/task/pairs_train.jsonl"  # JSONL {"prompt","chosen","rejected"}
     val_pairs: str = "out/task/pairs_val.jsonl"  # held-out pairs for the val loss and accuracy
-    eval_prompts: str = "out/task/prompts_eval.jsonl"  # held-out prompts: true reward and KL
+    test_prompts: str = "out/task/prompts_test.jsonl"  # held-out prompts: true reward and KL
+    val_prompts: str = ""  # held-out prompts a study selects on, into eval.json's "val" ("": none)
     ref_logps: str = "out/ref_logps"  # the log π_ref cache (yours: a subfolder); built if missing
     # "cache": read log π_ref from ref_logps; "live": run π_ref every step (what precompute removes)
     ref: str = "cache"
@@ -189,7 +190,7 @@ def setup(cfg, d, log):
         out_dir=cfg.ref_logps, ref_model=cfg.ref_model, train_pairs=cfg.train_pairs,
         val_pairs=cfg.val_pairs, max_len=cfg.max_len, max_prompt_len=cfg.max_prompt_len,
         pack=cfg.pack),
-        [("--eval_prompts", cfg.eval_prompts, Config.eval_prompts)])
+        [("--test_prompts", cfg.test_prompts, Config.test_prompts)])
     # outputs first: a bad folder stops the run now, not after hours (the cache's if it is built)
     caches = [os.path.join(pc.out_dir, f"{split}.safetensors") for split in ("train", "val")]
     build_cache = cfg.ref == "cache" and not all(map(os.path.exists, caches))
@@ -199,7 +200,8 @@ def setup(cfg, d, log):
                   "python sft.py", d, log)
     tok_path = tokenizer_beside(cfg.ref_model)
     require_task({cfg.train_pairs: Config.train_pairs, cfg.val_pairs: Config.val_pairs,
-                  cfg.eval_prompts: Config.eval_prompts}, d, log)
+                  cfg.test_prompts: Config.test_prompts,
+                  **({cfg.val_prompts: Config.val_prompts} if cfg.val_prompts else {})}, d, log)
     tok = data.load_tokenizer(tok_path)
     train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
                                        cfg.max_prompt_len)
@@ -375,9 +377,7 @@ def finish(policy, ref, ref_val, val, tok, tok_path, cfg, d, log):
     training loop never did in the default mode (and --ref live's frozen copy may hold bf16
     weights, which run only under autocast; sampling runs without)."""
     val_loss, val_acc = evaluate_pairs(policy, ref, ref_val, val, cfg, d, tok.pad)
-    ev = evaluate_policy(policy, load_model(cfg.ref_model, d.device)[0], tok,
-                         data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
-                         pool_best=task_pool_best(cfg.eval_prompts))
+    ev = evaluate_held_out(policy, load_model(cfg.ref_model, d.device)[0], tok, cfg, d)
     save_outputs(policy, cfg.out_dir, {"stage": "dpo", "step": cfg.steps,
                                        "ref_model": cfg.ref_model, "loss": cfg.loss,
                                        "beta": cfg.beta},

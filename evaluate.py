@@ -196,6 +196,19 @@ def evaluate_mixture(policies, weights, ref, tok, prompts, d, k=4, batch_size=64
     return res
 
 
+def evaluate_held_out(policy, ref, tok, cfg, d, **kw):
+    """A stage's last evaluation: evaluate_policy on cfg.test_prompts, the numbers it reports, and,
+    when cfg.val_prompts is given, on those too, kept under "val" (samples left out). A study
+    chooses its settings by "val" and reports the rest, so nothing it reports was tuned on."""
+    def on(path):
+        return evaluate_policy(policy, ref, tok, data.read_prompts(path), d, k=cfg.eval_k,
+                               pool_best=task.task_pool_best(path), **kw)
+    ev = on(cfg.test_prompts)
+    if cfg.val_prompts:
+        ev["val"] = {k: v for k, v in on(cfg.val_prompts).items() if k != "samples"}
+    return ev
+
+
 def summary(res):
     """The one line a stage prints about its evaluation; without the hidden reward, it says why."""
     eos = (f"EOS rate {res['eos_rate']:.2f} (π_ref {res['ref_eos_rate']:.2f}) | length "
@@ -223,7 +236,7 @@ def print_samples(result, log):
 class Config:
     policy: str = "out/dpo/model.safetensors"  # the policy to evaluate
     ref: str = "out/sft/model.safetensors"  # π_ref; its folder holds tokenizer.json
-    prompts: str = "out/task/prompts_eval.jsonl"  # held-out prompts, JSONL {"prompt": ...}
+    prompts: str = "out/task/prompts_test.jsonl"  # held-out prompts, JSONL {"prompt": ...}
     k: int = 4  # completions per prompt from each model
     seed: int = 0  # sampling seed (the same completions on any world size)
     missing_eos_score: float = MISSING_EOS_SCORE  # score of a completion without EOS (PPO's rule)

@@ -34,14 +34,14 @@ from checkpoint import (check_step, input_fingerprint, last_checkpoint, prepare_
                         require_same_tokenizer, resume, save_checkpoint, save_outputs,
                         tokenizer_beside)
 from dpo import dpo_loss
-from evaluate import evaluate_policy, print_samples, summary
+from evaluate import evaluate_held_out, print_samples, summary
 from meter import (Meter, anatomy, batch_flops, estimate_flops, format_anatomy, generate_flops,
                    matmul_shapes, measure_peak_flops, model_flops)
 from model import freeze, generate, load_model, pair_logps, score_at_last
 from plumbing import (Logger, SEED_STRIDE, adamw, autocast, barrier, broadcast_weights, check,
                       init_distributed, lr_at, parse_config, precision, reduce_sums, require_stage,
                       set_lr, sharded, split_batch, sync_grads, teardown, wrap)
-from task import require_task, task_pool_best, true_reward
+from task import require_task, true_reward
 
 # ==== config
 
@@ -52,7 +52,8 @@ class Config:
     sft: str = "out/sft/model.safetensors"  # π_ref: the policy starts here, the reference stays
     reward_model: str = "out/reward/model.safetensors"  # r_φ, the reward service (built if missing)
     prompts: str = "out/task/prompts_train.jsonl"  # rollout prompts: JSONL {"prompt"}, or lines
-    eval_prompts: str = "out/task/prompts_eval.jsonl"  # held-out prompts for eval.json
+    test_prompts: str = "out/task/prompts_test.jsonl"  # held-out prompts for eval.json
+    val_prompts: str = ""  # held-out prompts a study selects on, into eval.json's "val" ("": none)
     reward: str = "model"  # "model": r_φ labels the pairs; "true": the hidden true reward does
     beta: float = 0.5  # the KL(π‖π_ref) constraint, as dpo.py's
     iterations: int = 200  # rounds of rollout + one DPO step on its pairs (dpo.py's 200 steps)
@@ -159,7 +160,8 @@ def setup(cfg, d, log):
     if cfg.reward == "model":
         require_stage(cfg.reward_model, Config.reward_model, lambda: reward.main(reward.Config()),
                       "python reward.py", d, log)
-    require_task({cfg.prompts: Config.prompts, cfg.eval_prompts: Config.eval_prompts}, d, log)
+    require_task({cfg.prompts: Config.prompts, cfg.test_prompts: Config.test_prompts,
+                  **({cfg.val_prompts: Config.val_prompts} if cfg.val_prompts else {})}, d, log)
     tok_path = tokenizer_beside(cfg.sft, "--sft")
     tok = data.load_tokenizer(tok_path)
     if cfg.reward == "model":
@@ -393,9 +395,7 @@ def finish(policy, tok, tok_path, cfg, d, log, meter, layout):
     """Sample the held-out prompts from the policy and from π_ref's own fp32 copy (the frozen one
     may hold bf16 weights, which run only under autocast; sampling runs without), then save."""
     ref = load_model(cfg.sft, d.device, head="lm")[0]
-    ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
-                         missing_eos_score=cfg.missing_eos_score,
-                         pool_best=task_pool_best(cfg.eval_prompts))
+    ev = evaluate_held_out(policy, ref, tok, cfg, d, missing_eos_score=cfg.missing_eos_score)
     shares = meter.shares(log.print, "a round")
     save_outputs(policy, cfg.out_dir, {"stage": "online_dpo", "iterations": cfg.iterations,
                                        "sft": cfg.sft, "reward": cfg.reward, "beta": cfg.beta},

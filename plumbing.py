@@ -218,12 +218,13 @@ FLAG_RANGES = {
                     AT_LEAST_1),
     **dict.fromkeys(("warmup", "stop_after", "seed"), "[0, inf)"),
     **dict.fromkeys(("block_size", "block", "max_len"), "[3, inf)"),
-    **dict.fromkeys(("lr", "dpo_lr", "ppo_lr", "grad_clip", "kl_target", "cliprange",
-                     "cliprange_value", "vf_coef"), "(0, inf)"),
+    **dict.fromkeys(("lr", "dpo_lr", "ppo_lr", "online_lr", "nll_alpha", "grad_clip", "kl_target",
+                     "cliprange", "cliprange_value", "vf_coef"), "(0, inf)"),
     **dict.fromkeys(("beta", "curve_beta"), "[0.001, inf)"),
     **dict.fromkeys(("weight_decay", "kl_coef", "curve_kl_coef", "rpo_alpha"), "[0, inf)"),
     **dict.fromkeys(("min_lr_frac", "gamma", "lam"), "[0, 1]"),
-    "dropout": "[0, 1)", "label_smoothing": "[0, 0.5)", "temperature": "[0.1, inf)",
+    "dropout": "[0, 1)", "check_at": "(0, 1)", "label_smoothing": "[0, 0.5)",
+    "temperature": "[0.1, inf)",
     "missing_eos_score": "(-inf, inf)",
 }
 

@@ -32,14 +32,14 @@ import sft
 from checkpoint import (input_fingerprint, prepare_outputs, require_same_tokenizer, resume,
                         save_checkpoint, save_outputs, stop_if_diverged, stop_if_not_finite,
                         tokenizer_beside)
-from evaluate import evaluate_policy, print_samples, summary
+from evaluate import evaluate_held_out, print_samples, summary
 from meter import (Meter, anatomy, estimate_flops, format_anatomy, generate_flops, matmul_shapes,
                    measure_peak_flops, model_flops)
 from model import IGNORE, freeze, generate, last_index, load_model, score_at_last, sequence_logprobs
 from plumbing import (Logger, SEED_STRIDE, all_reduce_sum, autocast, barrier, broadcast_weights,
                       check, init_distributed, lr_at, parse_config, precision, require_stage,
                       set_lr, sharded, split_batch, sync_grads, teardown, wrap)
-from task import require_task, task_pool_best, true_reward
+from task import require_task, true_reward
 
 # ==== config
 
@@ -50,7 +50,8 @@ class Config:
     sft: str = "out/sft/model.safetensors"  # π_ref: the policy starts here, KL is to it
     reward_model: str = "out/reward/model.safetensors"  # r_φ, the reward service; critic's init
     prompts: str = "out/task/prompts_train.jsonl"  # rollout prompts: JSONL {"prompt"}, or lines
-    eval_prompts: str = "out/task/prompts_eval.jsonl"  # held-out prompts for eval.json
+    test_prompts: str = "out/task/prompts_test.jsonl"  # held-out prompts for eval.json
+    val_prompts: str = ""  # held-out prompts a study selects on, into eval.json's "val" ("": none)
     reward: str = "model"  # "model": r_φ scores; "true": the hidden true reward (PPO-GT baseline)
     iterations: int = 30  # rounds of rollout + update (tune.py: true reward flattens at 30-35)
     rollout_batch: int = 64  # prompts rolled out per iteration, all ranks (one completion each)
@@ -293,7 +294,8 @@ def setup(cfg, d, log):
     require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d, log)
     require_stage(cfg.reward_model, Config.reward_model, lambda: reward.main(reward.Config()),
                   "python reward.py", d, log)
-    require_task({cfg.prompts: Config.prompts, cfg.eval_prompts: Config.eval_prompts}, d, log)
+    require_task({cfg.prompts: Config.prompts, cfg.test_prompts: Config.test_prompts,
+                  **({cfg.val_prompts: Config.val_prompts} if cfg.val_prompts else {})}, d, log)
     tok_path = tokenizer_beside(cfg.sft, "--sft")
     tok = data.load_tokenizer(tok_path)
     require_same_tokenizer(cfg.reward_model, "--reward_model", tok_path)  # the critic's start too
@@ -567,9 +569,7 @@ def finish(policy, tok, tok_path, cfg, d, log, meter, layout, result):
     """Sample the held-out prompts from the policy and from π_ref's own fp32 copy (the frozen one
     may hold bf16 weights, which run only under autocast; sampling runs without), then save."""
     ref = load_model(cfg.sft, d.device, head="lm")[0]
-    ev = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.eval_prompts), d, k=cfg.eval_k,
-                         missing_eos_score=cfg.missing_eos_score,
-                         pool_best=task_pool_best(cfg.eval_prompts))
+    ev = evaluate_held_out(policy, ref, tok, cfg, d, missing_eos_score=cfg.missing_eos_score)
     shares = meter.shares(log.print, "an iteration")
     save_outputs(policy, cfg.out_dir, {"stage": "ppo", "iterations": cfg.iterations,
                                        "sft": cfg.sft, "reward": cfg.reward},

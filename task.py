@@ -44,7 +44,9 @@ P_VALUES = (0.1, 0.3, 0.5, 0.7, 0.9)  # the latent sentiment, uniform
 P_STOP = 0.35                         # after each sentence from the 2nd on: memoryless length
 MAX_SENTENCES = 8                     # so every text fits a 64-token context with BOS and EOS
 SIZES = dict(sft_train=20000, sft_val=1000, pairs_train=4000, pairs_val=500,
-             prompts_train=2000, prompts_eval=200)
+             prompts_train=2000, prompts_val=200, prompts_test=200)
+# Two held-out prompt sets: every setting a study chooses (lr, length, which runs make a frontier)
+# is chosen on prompts_val, and every number it reports is read on prompts_test, never tuned on.
 
 def _sentence(rng, p):
     words = []
@@ -199,9 +201,16 @@ def build_task(out_dir="out/task", seed=0, regime="default"):
     for name in ("pairs_train", "pairs_val"):
         r, redraw = rng(name), rng(f"{name}/capped")
         files[name] = [sample_pair(r, p_values, cap, redraw) for _ in range(SIZES[name])]
-    for name in ("prompts_train", "prompts_eval"):
-        r = rng(name)
+    for name in ("prompts_train", "prompts_test", "prompts_val"):
+        # the test prompts are the stream once named prompts_eval: the held-out set of earlier runs
+        r = rng("prompts_eval" if name == "prompts_test" else name)
         files[name] = [dict(prompt=sample_prompt(r, p_values)[2]) for _ in range(SIZES[name])]
+    # disjoint held-out sets: a validation prompt that is also a test prompt is drawn again (the
+    # language is small: 22 of 200 were), so a setting chosen on validation saw no test prompt
+    test, r = {x["prompt"] for x in files["prompts_test"]}, rng("prompts_val/disjoint")
+    for x in files["prompts_val"]:
+        while x["prompt"] in test:
+            x["prompt"] = sample_prompt(r, p_values)[2]
     for name, rows in files.items():
         lines = rows if name.startswith("sft") else [json.dumps(row) for row in rows]
         ext = "txt" if name.startswith("sft") else "jsonl"
@@ -249,7 +258,12 @@ def ensure_task(out_dir="out/task", seed=0, log=print, regime="default"):
             raise ValueError(f"{out_dir} holds the task for seed {found[0]} and regime "
                              f"{found[1]}, not seed {seed} and regime {regime}: remove it or "
                              f"pick another folder")
-        return out_dir
+        files = [f"{n}.{'txt' if n.startswith('sft') else 'jsonl'}" for n in SIZES]
+        missing = [f for f in files if not os.path.exists(os.path.join(out_dir, f))]
+        if not missing:
+            return out_dir
+        # an older version's task (before prompts_val): the seed rebuilds the same files and more
+        log(f"{out_dir} lacks {', '.join(missing)} (an older version built it): rebuilding it")
     t0 = time.time()
     build_task(out_dir, seed, regime)
     log(f"built the task in {out_dir} (seed {seed}, regime {regime}, {time.time() - t0:.1f} s)")

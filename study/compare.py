@@ -34,6 +34,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -49,9 +50,9 @@ from checkpoint import (atomic_write_json, checkpoint_state, load_checkpoint, sh
                         tokenizer_beside)
 from plumbing import (atomic_write_text, barrier, check, fmt_duration, init_distributed,
                       main_decides, parse_config, require_stage, teardown)
-from evaluate import evaluate_policy
+from evaluate import evaluate_held_out, evaluate_policy
 from model import load_model
-from study import costs
+from study import costs, envelope
 from study.costs import table
 from study.results import flags, launcher, write_section
 from task import require_task, task_pool_best
@@ -60,31 +61,40 @@ from task import require_task, task_pool_best
 @dataclass
 class Config:
     out_dir: str = "out/compare"  # tables, plots, and one folder per run of the sweep
-    task: str = "out/task"  # pairs_{train,val}.jsonl, prompts_{train,eval}.jsonl; built if missing
+    task: str = "out/task"  # pairs_{train,val}, prompts_{train,val,test} (.jsonl); built if absent
     sft: str = "out/sft/model.safetensors"  # π_ref, shared by every run; built by sft.py if missing
     reward_model: str = "out/reward/model.safetensors"  # r_φ for PPO; built by reward.py if missing
     ref_logps: str = "out/ref_logps"  # DPO's cache of log π_ref; built by precompute.py if missing
-    betas: str = "0.1,0.3,1,3"  # DPO runs: one per β, comma-separated
-    kl_coefs: str = "0.03,0.1,0.3"  # PPO runs with r_φ: one per KL coefficient
+    # every configuration (β or KL coef × lr) of each method, trained once per seed; each run is
+    # evaluated on prompts_val (what selection reads) and prompts_test (what the tables report)
+    betas: str = "0.1,0.3,1,2"  # DPO runs: one per β × --dpo_lrs, comma-separated
+    dpo_lrs: str = "3e-4,1e-3"  # DPO's (and DPO+NLL's) peak learning rates
+    nll_betas: str = "1,2"  # DPO+NLL runs (dpo.py --rpo_alpha --nll_alpha): one per β × --dpo_lrs
+    nll_alpha: float = 1.0  # their α: the NLL of the chosen response, length-normalised (RPO)
+    kl_coefs: str = "0.01,0.03,0.1,0.3"  # PPO runs with r_φ: one per KL coefficient × --ppo_lrs
+    ppo_lrs: str = "1e-4"  # PPO's peak learning rates
     true_kl_coefs: str = "0.1"  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
-    online_betas: str = ""  # online DPO runs (online_dpo.py, r_φ labels): one per β ("" = none)
+    online_betas: str = "0.1,0.3"  # online DPO runs (r_φ labels): one per β ("" = none)
+    online_lr: float = online_dpo.Config.lr  # online DPO's peak learning rate
     # task regimes (task.REGIMES), each a frontier of its own: its task beside --task (out/task:
     # out/task-capped, as task.task_dir), its π_ref (the default's when its texts are), r_φ, cache
     # and runs in out_dir/<regime>
     regimes: str = "default"  # comma-separated, of default, capped, shifted
     # training seeds, each setting once per seed: data order, sampling (π_ref, r_φ, cache shared).
     # Spaced apart: data.global_batch orders epoch e with seed + e, so seeds 1 apart share epochs
-    seeds: str = "1337,2337,3337"
+    seeds: str = "1337,2337,3337,4337"
     dpo_steps: int = dpo.Config.steps  # optimizer steps of each DPO run
     ppo_iterations: int = ppo.Config.iterations  # iterations of each PPO run
     online_iterations: int = online_dpo.Config.iterations  # rounds of each online DPO run
-    dpo_lr: float = dpo.Config.lr  # every DPO run's peak learning rate
-    ppo_lr: float = ppo.Config.lr  # every PPO run's peak learning rate
+    # the budget rule: each run's checkpoint at this fraction of its budget is scored on the
+    # validation prompts; a setting whose validation reward still rose over the rest of the budget
+    # (the seeds' gains, 95% t-interval above 0) hit its budget, and the tables say so
+    check_at: float = 0.75
     eval_k: int = dpo.Config.eval_k  # completions per held-out prompt, every run and π_ref alike
-    match_kls: str = "1,2,4,6,8"  # KL values (nats) at which the methods are compared, interpolated
+    match_kls: str = "1,2,4,6,8"  # KL values (nats) at which the methods' envelopes are compared
     curve_beta: float = 0.3  # DPO's learning curve: the first seed's run at this β (one of betas)
     curve_kl_coef: float = 0.1  # PPO's learning curve: its run at this KL coef (one of kl_coefs)
-    curve_points: int = 5  # evaluations along each learning curve (0 = no curves)
+    curve_points: int = 4  # evaluations along each learning curve (0 = no curves)
     frontier: bool = True  # train the sweep, write frontier.* and curves.*
     costs: bool = True  # measure the costs, write costs.*
     rounds: int = 3  # interleaved timing rounds, each: PPO, DPO live, DPO cached, precompute
@@ -108,26 +118,6 @@ def mean_se(xs):
         return None, None
     n, m = len(xs), sum(xs) / len(xs)
     return m, (sum((x - m) ** 2 for x in xs) / (n - 1) / n) ** 0.5 if n > 1 else math.nan
-
-
-def at_kl(settings, x):
-    """A method's true reward at KL x, read off its mean curve. settings: one list per setting (a β
-    or a KL coefficient) of its seeds' (kl, reward). The mean curve joins the settings' mean points
-    in order of KL; between the two that bracket x the reward is linear. Returns (reward, se), or
-    None when x lies outside the measured KL range: no extrapolation.
-    se by the delta method: when the bracketing point i, of weight w_i (1 − w and w), moves by
-    (δx_i, δy_i), the value at x moves by w_i·(δy_i − s·δx_i), s the segment's slope. The two
-    settings' runs are independent, so se² = Σ_i w_i² se²(y_i − s·x_i), each se across that
-    setting's seeds: the KL's own spread, and its correlation with the reward, are carried."""
-    pts = sorted(((mean_se([k for k, _ in s])[0], mean_se([r for _, r in s])[0], s)
-                  for s in settings), key=lambda p: p[0])
-    for (x0, y0, s0), (x1, y1, s1) in zip(pts, pts[1:]):
-        if x0 <= x <= x1 and x0 < x1:
-            w, slope = (x - x0) / (x1 - x0), (y1 - y0) / (x1 - x0)
-            var = sum(wi ** 2 * mean_se([r - slope * k for k, r in s])[1] ** 2
-                      for wi, s in ((1 - w, s0), (w, s1)))
-            return y0 + w * (y1 - y0), var ** 0.5
-    return None
 
 
 def pm(m, se, f="+.3f"):
@@ -200,54 +190,63 @@ def build_regime(R, cfg, d, say):
 
 
 def sweep(cfg, R):
-    """A regime's runs: (name, stage, its Config), every setting once per seed, all from the same
-    π_ref, pairs, r_φ, cache and prompts."""
+    """A regime's runs: (name, stage, its Config), every configuration once per seed, all from the
+    same π_ref, pairs, r_φ, cache and prompts, each scored on the validation and test prompts."""
     t = lambda f: os.path.join(R["task"], f)  # noqa: E731
     seeds, p = seed_list(cfg), R["prefix"]
     o = lambda name: os.path.join(cfg.out_dir, p + name)  # noqa: E731
-    runs = [(f"{p}dpo-beta{b:g}-seed{s}", dpo, dpo.Config(
-        out_dir=o(f"dpo-beta{b:g}-seed{s}"), ref_model=R["sft"], train_pairs=t("pairs_train.jsonl"),
-        val_pairs=t("pairs_val.jsonl"), eval_prompts=t("prompts_eval.jsonl"),
-        ref_logps=R["ref_logps"], beta=b, steps=cfg.dpo_steps, lr=cfg.dpo_lr, eval_k=cfg.eval_k,
-        seed=s))
-        for b in floats(cfg.betas) for s in seeds]
+    held_out = dict(val_prompts=t("prompts_val.jsonl"), test_prompts=t("prompts_test.jsonl"),
+                    eval_k=cfg.eval_k)
+    dpos = [(b, 0.0) for b in floats(cfg.betas)] + [(b, cfg.nll_alpha)
+                                                    for b in floats(cfg.nll_betas)]
+    runs = [(f"{p}{n}", dpo, dpo.Config(
+        out_dir=o(n), ref_model=R["sft"], train_pairs=t("pairs_train.jsonl"),
+        val_pairs=t("pairs_val.jsonl"), ref_logps=R["ref_logps"], beta=b, rpo_alpha=a,
+        steps=cfg.dpo_steps, lr=lr, seed=s, **held_out))
+        for b, a in dpos for lr in floats(cfg.dpo_lrs) for s in seeds
+        for n in [f"dpo-{f'nll{a:g}-' if a else ''}beta{b:g}-lr{lr:g}-seed{s}"]]
     runs += [(f"{p}online-beta{b:g}-seed{s}", online_dpo, online_dpo.Config(
         out_dir=o(f"online-beta{b:g}-seed{s}"), sft=R["sft"], reward_model=R["reward_model"],
-        prompts=t("prompts_train.jsonl"), eval_prompts=t("prompts_eval.jsonl"), beta=b,
-        iterations=cfg.online_iterations, lr=cfg.dpo_lr, eval_k=cfg.eval_k, seed=s))
+        prompts=t("prompts_train.jsonl"), beta=b, iterations=cfg.online_iterations,
+        lr=cfg.online_lr, seed=s, **held_out))
         for b in floats(cfg.online_betas) for s in seeds]
     for rw, coefs, tag in (("model", cfg.kl_coefs, "ppo"), ("true", cfg.true_kl_coefs, "ppo-true")):
-        runs += [(f"{p}{tag}-kl{k:g}-seed{s}", ppo, ppo.Config(
-            out_dir=o(f"{tag}-kl{k:g}-seed{s}"), sft=R["sft"], reward_model=R["reward_model"],
-            prompts=t("prompts_train.jsonl"), eval_prompts=t("prompts_eval.jsonl"), reward=rw,
-            kl_coef=k, iterations=cfg.ppo_iterations, lr=cfg.ppo_lr, eval_k=cfg.eval_k, seed=s))
-            for k in floats(coefs) for s in seeds]
+        runs += [(f"{p}{n}", ppo, ppo.Config(
+            out_dir=o(n), sft=R["sft"], reward_model=R["reward_model"],
+            prompts=t("prompts_train.jsonl"), reward=rw, kl_coef=k, iterations=cfg.ppo_iterations,
+            lr=lr, seed=s, **held_out))
+            for k in floats(coefs) for lr in floats(cfg.ppo_lrs) for s in seeds
+            for n in [f"{tag}-kl{k:g}-lr{lr:g}-seed{s}"]]
     return runs
 
 
 def method_of(stage, c):
-    return "π_ref" if stage is None else "DPO" if stage is dpo else \
-        "online DPO" if stage is online_dpo else "PPO" if c.reward == "model" else "PPO-GT"
+    return "π_ref" if stage is None else ("DPO+NLL" if c.rpo_alpha else "DPO") if stage is dpo \
+        else "online DPO" if stage is online_dpo else "PPO" if c.reward == "model" else "PPO-GT"
 
 
 def is_curve(cfg, stage, c):
-    """Whether this run is one of the two drawn as a learning curve (default regime only)."""
+    """Whether this run is one of the two drawn as a learning curve (default regime only): the
+    first seed's plain DPO run at --curve_beta and PPO run at --curve_kl_coef, each at its stage's
+    default lr."""
     return cfg.curve_points > 0 and stage in (dpo, ppo) and c.seed == seed_list(cfg)[0] and (
         os.path.dirname(c.out_dir) == os.path.normpath(cfg.out_dir)) and (
-        c.beta == cfg.curve_beta if stage is dpo else
-        c.reward == "model" and c.kl_coef == cfg.curve_kl_coef)
+        c.beta == cfg.curve_beta and not c.rpo_alpha and c.lr == dpo.Config.lr if stage is dpo
+        else c.reward == "model" and c.kl_coef == cfg.curve_kl_coef and c.lr == ppo.Config.lr)
 
 
 def evaluate_reference(R, cfg, d):
-    """π_ref against a second copy of itself through the same evaluation: the frontier's origin (KL
-    0; win rate 1/2 up to sampling error), and every learning curve's step 0."""
+    """π_ref against a second copy of itself through the same evaluation, on the test prompts and
+    the validation prompts: the frontier's origin (KL 0; win rate 1/2 up to sampling error), and
+    every learning curve's step 0."""
     tok = data.load_tokenizer(tokenizer_beside(R["sft"], "--sft"))
     ref, ref2 = load_model(R["sft"], d.device)[0], load_model(R["sft"], d.device)[0]
-    path = os.path.join(R["task"], "prompts_eval.jsonl")
-    res = evaluate_policy(ref, ref2, tok, data.read_prompts(path), d, k=cfg.eval_k,
-                          pool_best=task_pool_best(path))
-    check("true_reward" in res, f"{path}: no true reward; the frontier needs the built-in "
-          "task's prompts, the only ones evaluate.py scores with its hidden reward")
+    held_out = SimpleNamespace(test_prompts=os.path.join(R["task"], "prompts_test.jsonl"),
+                               val_prompts=os.path.join(R["task"], "prompts_val.jsonl"),
+                               eval_k=cfg.eval_k)
+    res = evaluate_held_out(ref, ref2, tok, held_out, d)
+    check("true_reward" in res, f"{held_out.test_prompts}: no true reward; the frontier needs the "
+          "built-in task's prompts, the only ones evaluate.py scores with its hidden reward")
     if d.is_main:
         atomic_write_json(os.path.join(cfg.out_dir, R["prefix"] + "ref", "eval.json"), res)
 
@@ -256,30 +255,36 @@ def evaluate_reference(R, cfg, d):
 # Learning curves: a run trained in chunks, its checkpoint evaluated between them
 
 
-def evaluate_checkpoint(stage, c, d):
-    """The policy in c.out_dir/ckpt, by the evaluation the stage itself ends with (the same
-    prompts, k and sampling seed), so the curve's last point is the run's eval.json."""
+def evaluate_checkpoint(stage, c, d, prompts=None):
+    """The policy in c.out_dir/ckpt, by the evaluation the stage itself ends with (the same k and
+    sampling seed), on `prompts` (default: the stage's test prompts), so the curve's last point is
+    the run's eval.json."""
     ref_path = c.ref_model if stage is dpo else c.sft
     tok = data.load_tokenizer(tokenizer_beside(
         ref_path, "--ref_model" if stage is dpo else "--sft"))
     policy, ref = load_model(ref_path, d.device)[0], load_model(ref_path, d.device)[0]
-    # the checkpoint names the policy "model" in dpo.py, "policy" in ppo.py (beside its critic)
-    name = "model" if stage is dpo else "policy"
+    # the checkpoint names the policy "policy" in ppo.py (beside its critic), else "model"
+    name = "policy" if stage is ppo else "model"
     load_checkpoint(os.path.join(c.out_dir, "ckpt"), {name: policy}, d.device)
-    return evaluate_policy(policy, ref, tok, data.read_prompts(c.eval_prompts), d, k=c.eval_k,
-                           pool_best=task_pool_best(c.eval_prompts))
+    prompts = prompts or c.test_prompts
+    return evaluate_policy(policy, ref, tok, data.read_prompts(prompts), d, k=c.eval_k,
+                           pool_best=task_pool_best(prompts))
 
 
-def train_in_chunks(stage, c, points, d, resume):
+def train_in_chunks(stage, c, points, d, resume, test=True, val_at=None):
     """Run stage.main(c) as `points` chunks of --stop_after steps (iterations), evaluating the
-    checkpoint's policy after each. The stages resume exactly, so the model at the end is the
-    uninterrupted run's. Returns [{"step", **evaluation}], also kept in c.out_dir/curve.json after
-    every point, so an interrupted curve resumes (resume=True) where it stopped."""
+    checkpoint's policy after each on the test prompts (test=False: not), and at step val_at on the
+    validation prompts too, under "val". The stages resume exactly, so the model at the end is the
+    uninterrupted run's. Returns [{"step", **evaluation}], the points evaluated, also kept in
+    c.out_dir/curve.json after every point, so an interrupted curve resumes (resume=True) where it
+    stopped."""
     total = c.steps if stage is dpo else c.iterations
     ckpt, path = os.path.join(c.out_dir, "ckpt"), os.path.join(c.out_dir, "curve.json")
     done = json.loads(Path(path).read_text()) if resume and os.path.exists(path) else []
-    for i in range(1, min(points, total) + 1):
-        b = round(total * i / min(points, total))  # the chunk ends at step b
+    n = min(points, total)
+    ends = sorted({round(total * i / n) for i in range(1, n + 1) if test}
+                  | {val_at or total, total})
+    for b in ends:  # the chunk ends at step b
         if main_decides(any(p["step"] == b for p in done), d):
             continue
         s = (checkpoint_state(ckpt) or {"step": 0})["step"] if resume else 0
@@ -288,7 +293,12 @@ def train_in_chunks(stage, c, points, d, resume):
         if s < b or b == total:  # the last chunk runs to the end: the stage's own eval.json
             stage.main(replace(c, stop_after=b - s, resume=resume))
         resume = True
-        done.append({"step": b, **evaluate_checkpoint(stage, c, d)})
+        point = {"step": b, **(evaluate_checkpoint(stage, c, d) if test else {})}
+        if b == val_at:
+            ev = evaluate_checkpoint(stage, c, d, c.val_prompts)
+            point["val"] = {k: v for k, v in ev.items() if k != "samples"}
+        if test or b == val_at:
+            done.append(point)
         if d.is_main:
             atomic_write_json(path, done)
     return done
@@ -347,7 +357,7 @@ def frontier(cfg, Rs, d, say):
     sha = {p: sha256(p) for R in Rs for p in (R["sft"], R["reward_model"])}
     todo = []
     for R in Rs:
-        prompts = os.path.join(R["task"], "prompts_eval.jsonl")
+        prompts = [os.path.join(R["task"], f"prompts_{s}.jsonl") for s in ("val", "test")]
         todo += [(R["prefix"] + "ref", None, {"k": cfg.eval_k, "prompts": prompts}, R)]
         todo += [(*run, R) for run in sweep(cfg, R)]
     t0, trained, spent = time.time(), 0, 0.0
@@ -387,10 +397,10 @@ def frontier(cfg, Rs, d, say):
         t1 = time.time()
         if stage is None:
             evaluate_reference(R, cfg, d)
-        elif curve:
-            train_in_chunks(stage, c, cfg.curve_points, d, resume)
-        else:
-            stage.main(replace(c, resume=resume))
+        else:  # the budget rule's checkpoint, scored on the validation prompts
+            check_step = max(1, round(cfg.check_at * (c.steps if stage is dpo else c.iterations)))
+            train_in_chunks(stage, c, cfg.curve_points if curve else 1, d, resume, test=curve,
+                            val_at=check_step)
         wall = time.time() - t1
         trained, spent = trained + (stage is not None), spent + wall * (stage is not None)
         if d.is_main:
@@ -403,10 +413,16 @@ def frontier(cfg, Rs, d, say):
     read = lambda name, f: json.loads(Path(cfg.out_dir, name, f).read_text())  # noqa: E731
     for name, stage, c, R in todo if d.is_main else ():
         ev, run = read(name, "eval.json"), read(name, "run.json")
+        check_point = next((p["val"] for p in (read(name, "curve.json") if stage else [])
+                            if "val" in p), {})
         rows.append(dict(run=name, regime=R["regime"], method=method_of(stage, c),
                          beta=c.beta if stage in (dpo, online_dpo) else "",
                          kl_coef=c.kl_coef if stage is ppo else "",
-                         seed=c.seed if stage else "", **ev_fields(ev), wall_s=run.get("wall_s")))
+                         lr=c.lr if stage else "", seed=c.seed if stage else "", **ev_fields(ev),
+                         **{f"val_{k}": ev["val"].get(k)
+                            for k in ("kl", "true_reward", "eos_rate")},
+                         check_val_true_reward=check_point.get("true_reward"),
+                         wall_s=run.get("wall_s")))
         if is_curve(cfg, stage, c):
             curves += curve_rows(name, stage, c, read("ref", "eval.json"), read(name, "curve.json"))
     return rows, curves
@@ -424,12 +440,19 @@ def write_csv(path, rows):
     os.replace(path + ".tmp", path)
 
 
+def setting(r):
+    """A run's configuration, as the tables name it: 'β 0.3, lr 0.001', 'KL coef 0.1, lr 0.0001'."""
+    if r["method"] == "π_ref":
+        return ""
+    s = f"KL coef {r['kl_coef']:g}" if r["method"].startswith("PPO") else f"β {r['beta']:g}"
+    return f"{s}, lr {r['lr']:g}"
+
+
 def settings(rows):
-    """The runs grouped by (method, β or KL coef), in sweep order: {key: [row per seed]}."""
+    """The runs grouped by (method, configuration), in sweep order: {key: [row per seed]}."""
     groups = {}
     for r in rows:
-        setting = r["beta"] if r["method"] in ("DPO", "online DPO") else r["kl_coef"]
-        groups.setdefault((r["method"], setting), []).append(r)
+        groups.setdefault((r["method"], setting(r)), []).append(r)
     return groups
 
 
@@ -440,73 +463,152 @@ def regime_title(regime, cfg):
     return f" (regime {regime}: {task.REGIMES[regime]})"
 
 
+TRUNCATED_MAX = 0.05  # a setting whose test completions hit the budget more often is flagged
+
+
+def verdicts(rs):
+    """A configuration's two flags, from its seeds' rows: the share of test completions cut at the
+    generation budget (no EOS: their KL and reward are lower bounds), and the budget rule, the
+    seeds' validation-reward gain from the --check_at checkpoint to the end with its 95% t-interval
+    (a positive interval: it still rose, so the budget, not the method, ended it)."""
+    cut = 1 - mean_se([r["eos_rate"] for r in rs])[0]
+    gains = [r["val_true_reward"] - r["check_val_true_reward"] for r in rs
+             if r["check_val_true_reward"] is not None]
+    gain = envelope.mean_interval(gains) if gains else (None, None, None)
+    return dict(cut=cut, gain=gain, flagged=cut > TRUNCATED_MAX or (gain[1] or 0) > 0)
+
+
+def envelope_configs(groups, method, eligible=True):
+    """A method's configurations for study/envelope.py: {name: [per seed {val_kl, val_reward,
+    test_kl, test_reward}]}, π_ref among them (any method can mix with it: KL 0); eligible: the
+    flagged configurations left out, as matched-KL claims need."""
+    point = lambda r: dict(val_kl=r["val_kl"], val_reward=r["val_true_reward"],  # noqa: E731
+                           test_kl=r["kl"], test_reward=r["true_reward"])
+    return {name: [point(r) for r in rs] for (m, name), rs in groups.items()
+            if m == "π_ref" or m == method and not (eligible and verdicts(rs)["flagged"])}
+
+
 def frontier_markdown(rows, cfg):
-    """One regime's frontier table (rows: its runs, π_ref's first)."""
+    """One regime's frontier table (rows: its runs, π_ref's first): every configuration."""
     groups = settings(rows)
     stat = lambda rs, k: mean_se([r[k] for r in rs])  # noqa: E731
+    chosen = {m: envelope.select_on_val(envelope_configs(groups, m, False))[0]
+              for m in {m for m, _ in groups}}
     beyond = any(r["beyond_pool"] is not None for r in rows)
     body = []
-    for (method, setting), rs in groups.items():
-        seeds = "–" if method == "π_ref" else len(rs)
-        body.append([method, setting, seeds, pm(*stat(rs, "kl"), ".3f"),
+    for (method, name), rs in groups.items():
+        v = verdicts(rs)
+        gain = "–" if v["gain"][0] is None else (
+            f"{v['gain'][0]:+.2f}" + (f" [{v['gain'][1]:+.2f}, {v['gain'][2]:+.2f}]"
+                                      if v["gain"][1] is not None else ""))
+        flags = [f for f, on in (("cut", v["cut"] > TRUNCATED_MAX),
+                                 ("budget", (v["gain"][1] or 0) > 0)) if on]
+        body.append([method, name, "–" if method == "π_ref" else len(rs),
+                     pm(*stat(rs, "val_true_reward")), pm(*stat(rs, "kl"), ".3f"),
                      pm(*stat(rs, "true_reward")), pm(*stat(rs, "win_rate"), ".3f"),
                      pm(*stat(rs, "eos_rate"), ".3f"), pm(*stat(rs, "response_len"), ".1f"),
                      pm(*stat(rs, "true_reward_finished"))]
                     + ([pm(*stat(rs, "beyond_pool"), ".3f")] if beyond else [])
-                    + [fmt_duration(sum(r["wall_s"] or 0 for r in rs) / len(rs))])
+                    + [gain, " ".join(flags) or "–", "✓" if name in chosen[method] else "",
+                       fmt_duration(sum(r["wall_s"] or 0 for r in rs) / len(rs))])
     ref = rows[0]
-    md = table(["method", "β / KL coef", "seeds", "KL(π‖π_ref) nats", "true reward",
-                "win rate vs π_ref", "EOS rate", "response tokens", "reward if finished"]
-               + (["beyond pool best"] if beyond else []) + ["wall per run"], body)
+    md = table(["method", "configuration", "seeds", "val reward", "KL(π‖π_ref) nats",
+                "true reward", "win rate vs π_ref", "EOS rate", "response tokens",
+                "reward if finished"] + (["beyond pool best"] if beyond else [])
+               + [f"val gain after {cfg.check_at:g} of budget", "flags", "on val envelope",
+                  "wall per run"], body)
     pool = (f"Beyond pool best: the share of completions whose true reward exceeds "
             f"{ref['pool_best']:+g}, the best of any response in the training pairs (behaviour "
             "the pairs never showed). " if beyond else "")
     return (f"## The frontier{regime_title(ref['regime'], cfg)}: true reward against "
             "KL(π‖π_ref), as Figure 2 of the DPO paper\n\n"
-            f"{md}\n\n{pool}Every setting trained once per seed ({cfg.seeds}: the stages' `seed`, "
-            "data order and sampling; π_ref, r_φ and the reference cache shared). Each cell: mean "
+            f"{md}\n\n{pool}Every configuration trained once per seed ({cfg.seeds}: the stages' "
+            "`seed`, data order and sampling; π_ref, r_φ and the reference cache shared) and "
+            "scored twice by evaluate.py's one rule: on the validation prompts (val reward, the "
+            "selection's input) and on the test prompts (every other column). Each cell: mean "
             "over the seeds ± standard error across seeds (n − 1 in the variance), so the ± holds "
             "training and evaluation noise together; frontier.csv keeps one row per seed. Each "
-            f"policy sampled {cfg.eval_k} completions of every held-out prompt "
-            f"({ref['n_completions']} in all, temperature 1), scored by evaluate.py's one rule. "
-            "KL: their mean Σ_t log π − log π_ref, with the training log-prob function; true "
-            "reward: the task's hidden reward; win rate: against π_ref's completions of the same "
-            "prompts, ties half; EOS rate: the share of completions that ended; response tokens: "
-            "their mean length; reward if finished: the mean true reward of those that ended (a "
-            "gap to the true reward shows length gaming). The π_ref row is one evaluation of π_ref "
-            "against a second copy of itself (no training seed; its sampling s.e. is "
-            f"{ref['true_reward_se']:.3f}). Determinism: a run repeats exactly (the same numbers) "
-            f"on the same CPU with the same thread count ({torch.get_num_threads()} here); another "
-            "thread count or CPU changes the order of floating-point sums and, through sampling, "
-            "the run: the spread across seeds is the scale of that difference. Wall time: "
-            "training and evaluation, mean per run.")
+            f"policy sampled {cfg.eval_k} completions of every prompt ({ref['n_completions']} "
+            "test completions, temperature 1). KL: their mean Σ_t log π − log π_ref, with the "
+            "training log-prob function; true reward: the task's hidden reward; win rate: against "
+            "π_ref's completions of the same prompts, ties half; EOS rate: the share of "
+            "completions that ended, the rest cut at the generation budget, where their KL and "
+            "reward are lower bounds; reward if finished: the mean true reward of those that "
+            f"ended. Val gain: validation reward at the end minus at {cfg.check_at:g} of the "
+            "budget, mean over seeds [95% t-interval]. Flags: cut, more than "
+            f"{TRUNCATED_MAX:.0%} of test completions cut at the budget; budget, the val gain's "
+            "interval lies above 0 (still rising when the budget ended it). Flagged "
+            "configurations stay out of the matched-KL table. On val envelope: a vertex of the "
+            "upper concave envelope of the method's validation means (π_ref included), the "
+            "configurations the matched-KL table reads on test. The π_ref row is one evaluation "
+            "of π_ref against a second copy of itself (its sampling s.e. is "
+            f"{ref['true_reward_se']:.3f}). A run repeats exactly on the same CPU with the same "
+            f"thread count ({torch.get_num_threads()} here). Wall time: training and evaluation, "
+            "mean per run.")
 
 
 def matched_kl_markdown(rows, cfg):
-    """One regime's methods at --match_kls, each read off its mean curve (at_kl)."""
+    """One regime's methods at --match_kls, each read off its envelope (study/envelope.py)."""
     groups = settings(rows)
-    methods = [m for m in ("DPO", "online DPO", "PPO", "PPO-GT") if any(k[0] == m for k in groups)]
-    curve = {m: [[(r["kl"], r["true_reward"]) for r in rs] for (g, _), rs in groups.items()
-                 if g == m] for m in methods}
+    methods = [m for m in ("DPO", "DPO+NLL", "online DPO", "PPO", "PPO-GT")
+               if any(k[0] == m for k in groups)]
+    configs = {m: envelope_configs(groups, m) for m in methods}
+    env = {m: envelope.select_on_val(configs[m])[1] for m in methods}
+    versus = [m for m in ("DPO", "DPO+NLL", "online DPO") if m in methods] if "PPO" in methods \
+        else []
     body = []
     for x in floats(cfg.match_kls):
-        got = {m: at_kl(curve[m], x) for m in methods}
-        diff = "–"
-        if got.get("DPO") and got.get("PPO"):
-            diff = pm(got["DPO"][0] - got["PPO"][0], math.hypot(got["DPO"][1], got["PPO"][1]))
-        body.append([f"{x:g}"] + [pm(*got[m]) if got[m] else "–" for m in methods] + [diff])
-    kl = {m: [mean_se([k for k, _ in s])[0] for s in curve[m]] for m in methods}
-    ranges = "; ".join(f"{m} {min(kl[m]):.2f} to {max(kl[m]):.2f}" for m in methods)
-    md = table(["KL(π‖π_ref) nats"] + [f"{m} true reward" for m in methods] + ["DPO − PPO"], body)
-    return (f"## At matched KL{regime_title(rows[0]['regime'], cfg)}: true reward read off each "
-            f"method's frontier\n\n{md}\n\nEach "
-            "method's mean curve (its settings' mean points over seeds, joined in order of KL) "
-            "read linearly between the two settings that bracket the KL. ± is the standard error "
-            "by the delta method: the bracketing settings' per-seed values of (reward − slope × "
-            "KL), their standard error across seeds, weighted by the interpolation weights, so "
-            "the KL's own spread counts. –: outside the method's measured range of mean KL "
-            f"({ranges} nats), where nothing was measured. DPO − PPO: the difference, the errors "
-            "added in quadrature (independent runs).")
+        cells = [f"{x:g}"]
+        for m in methods:
+            y = envelope.envelope_at(env[m], x)
+            cells.append("–" if y is None else f"{y:+.3f}")
+        for m in versus:
+            r = envelope.matched_difference(configs[m], configs["PPO"], x)
+            cells.append("–" if r["diff"] is None else f"{r['diff']:+.2f}" + (
+                f" [{r['low']:+.2f}, {r['high']:+.2f}]" if r["low"] is not None else ""))
+        body.append(cells)
+    ends = "; ".join(f"{m} {env[m][0][0]:.2f} to {env[m][-1][0]:.2f}" for m in methods if env[m])
+    md = table(["KL(π‖π_ref) nats"] + [f"{m} true reward" for m in methods]
+               + [f"{m} − PPO [95% CI]" for m in versus], body)
+    return (f"## At matched KL{regime_title(rows[0]['regime'], cfg)}: true reward on each "
+            f"method's envelope\n\n{md}\n\nA method's envelope: the upper concave hull of the "
+            "test means of its configurations on the validation envelope (the frontier table's "
+            "✓; flagged configurations left out), read linearly between its vertices. A mixture "
+            "of two policies (one of them at random per prompt) attains their weighted reward at "
+            "no more than their weighted KL, so every point of the envelope is attainable "
+            "(evaluate.evaluate_mixture, tested). –: outside the envelope's measured range "
+            f"({ends} nats). Differences: 95% percentile bootstrap over seeds (each "
+            "configuration's seeds resampled, the selection on validation redone per replicate, "
+            "2,000 replicates); a difference counts when its interval excludes 0.")
+
+
+def j_beta_markdown(rows, cfg):
+    """The objective DPO and PPO both claim to maximise, E[r] − β·KL, at each β they share."""
+    groups, body = settings(rows), []
+    beta_of = lambda m, rs: rs[0]["kl_coef"] if m.startswith("PPO") else rs[0]["beta"]  # noqa: E731
+    for b in sorted({beta_of(m, rs) for (m, _), rs in groups.items() if m != "π_ref"}):
+        cells = [f"{b:g}"]
+        for m in ("DPO", "DPO+NLL", "online DPO", "PPO", "PPO-GT"):
+            at = [(name, rs) for (mm, name), rs in groups.items()
+                  if mm == m and beta_of(m, rs) == b]
+            if not at:
+                cells.append("–")
+                continue
+            # among this method's configurations at β (its lrs), the one best on validation
+            name, rs = max(at, key=lambda a: mean_se(
+                [r["val_true_reward"] - b * r["val_kl"] for r in a[1]])[0])  # noqa: B023
+            j = envelope.mean_interval([r["true_reward"] - b * r["kl"] for r in rs])
+            cells.append(f"{j[0]:+.2f}" + (f" [{j[1]:+.2f}, {j[2]:+.2f}]" if j[1] is not None
+                                            else "") + f" ({name.split(', ')[1]})")
+        body.append(cells)
+    shared = [c for c in body if sum(x != "–" for x in c[1:]) >= 2]
+    md = table(["β = KL coef", "DPO", "DPO+NLL", "online DPO", "PPO", "PPO-GT"], shared or body)
+    return (f"## The regularised objective{regime_title(rows[0]['regime'], cfg)}: "
+            f"J_β = E[r] − β·KL(π‖π_ref)\n\n{md}\n\nThe objective both DPO (eq. 3 of "
+            "Rafailov et al. 2023, which DPO's loss solves in closed form) and PPO with a KL "
+            "coefficient β maximise, on the test prompts: per seed, true reward − β × KL, mean "
+            "[95% t-interval across seeds]; at each β the method's configuration (lr) with the "
+            "best mean J_β on validation. Rows: the β values at least two methods were run at.")
 
 
 def curves_markdown(curves, cfg):
@@ -540,7 +642,7 @@ def write_tables(rows, curves, cfg):
     for r in rows:
         by_regime.setdefault(r["regime"], []).append(r)
     parts = [f(rs, cfg) for rs in by_regime.values()
-             for f in (frontier_markdown, matched_kl_markdown)]
+             for f in (frontier_markdown, matched_kl_markdown, j_beta_markdown)]
     rows = next(iter(by_regime.values()))  # the plot: the first regime's frontier
     sections = {"frontier": "\n\n".join(parts)}
     if curves:
@@ -555,14 +657,19 @@ def write_tables(rows, curves, cfg):
     except ImportError:
         return md + "\n\n(no frontier.png, curves.png: matplotlib is not installed)", sections
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method, marker in zip(("π_ref", "DPO", "PPO", "PPO-GT"), "*os^"):
-        pts = sorted((mean_se([r["kl"] for r in rs]), mean_se([r["true_reward"] for r in rs]))
-                     for (m, _), rs in settings(rows).items() if m == method)
-        if pts:  # a method's settings joined in order of KL: its frontier, ± across seeds
-            (x, xe), (y, ye) = zip(*[p[0] for p in pts]), zip(*[p[1] for p in pts])
-            ax.errorbar(x, y, xerr=xe, yerr=ye, fmt=marker + "-", capsize=2, label=method)
+    groups = settings(rows)
+    for method, marker in zip(("DPO", "DPO+NLL", "online DPO", "PPO", "PPO-GT"), "oDvs^"):
+        pts = [(mean_se([r["kl"] for r in rs]), mean_se([r["true_reward"] for r in rs]))
+               for (m, _), rs in groups.items() if m == method]
+        if not pts:
+            continue
+        (x, xe), (y, ye) = zip(*[p[0] for p in pts]), zip(*[p[1] for p in pts])
+        bars = ax.errorbar(x, y, xerr=xe, yerr=ye, fmt=marker, capsize=2, label=method)
+        env = envelope.select_on_val(envelope_configs(groups, method))[1]
+        ax.plot(*zip(*env), "-", color=bars[0].get_color())  # its envelope, chosen on validation
+    ax.plot([rows[0]["kl"]], [rows[0]["true_reward"]], "k*", label="π_ref")
     ax.set(xlabel="KL(π‖π_ref), nats per completion", ylabel="true reward",
-           title="held-out prompts, mean ± s.e. over seeds")
+           title="test prompts: configurations ± s.e. over seeds, envelopes")
     ax.legend()
     fig.tight_layout()
     fig.savefig(f"{cfg.out_dir}/frontier.png", dpi=120)
@@ -605,7 +712,8 @@ def main(cfg):
     Rs = regimes(cfg)
     # the earlier stages, shared by every run: built once, with their defaults, when missing
     require_task({t(f): os.path.join(Config.task, f) for f in (
-        "pairs_train.jsonl", "pairs_val.jsonl", "prompts_train.jsonl", "prompts_eval.jsonl")},
+        "pairs_train.jsonl", "pairs_val.jsonl", "prompts_train.jsonl", "prompts_val.jsonl",
+        "prompts_test.jsonl")},
         d, say)
     require_stage(cfg.sft, Config.sft, lambda: (sft.main(sft.Config()), barrier(d)),
                   "python sft.py", d, say)

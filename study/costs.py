@@ -317,10 +317,10 @@ def timed_runs(cfg, d, say):
     root, n = os.path.join(cfg.out_dir, "timing"), cfg.time_steps
     t = lambda f: os.path.join(cfg.task, f)  # noqa: E731
     dc = dict(ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
-              val_pairs=t("pairs_val.jsonl"), eval_prompts=t("prompts_eval.jsonl"),
+              val_pairs=t("pairs_val.jsonl"), test_prompts=t("prompts_test.jsonl"),
               ref_logps=cfg.ref_logps, steps=n + 1, stop_after=n, eval_every=10 ** 6, resume=False)
     rl = dict(sft=cfg.sft, reward_model=cfg.reward_model, prompts=t("prompts_train.jsonl"),
-              eval_prompts=t("prompts_eval.jsonl"), iterations=n + 1, stop_after=n, resume=False)
+              test_prompts=t("prompts_test.jsonl"), iterations=n + 1, stop_after=n, resume=False)
     jobs = {"ppo": lambda: ppo.main(ppo.Config(out_dir=f"{root}/ppo", **rl)),
             "online_dpo": lambda: online_dpo.main(online_dpo.Config(
                 out_dir=f"{root}/online_dpo", **rl)),

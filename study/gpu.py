@@ -119,12 +119,12 @@ def main(cfg):
                            micro_batch_size=mb)  # training's micro-batch: the same shapes
     precompute.main(pc)
     dc = dict(ref_model=ref, train_pairs=pc.train_pairs, val_pairs=pc.val_pairs,
-              eval_prompts=t("prompts_eval.jsonl"), ref_logps=pc.out_dir, max_len=cfg.block,
+              test_prompts=t("prompts_test.jsonl"), ref_logps=pc.out_dir, max_len=cfg.block,
               batch_size=B, micro_batch_size=mb, steps=n + 2, stop_after=n + 1,
               eval_every=10 ** 6, ckpt_every=10 ** 6, compile=cfg.compile, resume=False)
     iters = max(n // 2, 2)
     pp = ppo.Config(out_dir=f"{o}/ppo", sft=ref, reward_model=rm, prompts=t("long_prompts.jsonl"),
-                    eval_prompts=t("prompts_eval.jsonl"), rollout_batch=B, mini_batch=B // 2,
+                    test_prompts=t("prompts_test.jsonl"), rollout_batch=B, mini_batch=B // 2,
                     micro_batch_size=min(mb, B // 2), max_prompt_len=cfg.block - 64,
                     iterations=iters + 2, stop_after=iters + 1, ckpt_every=10 ** 6,
                     compile=cfg.compile, resume=False)

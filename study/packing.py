@@ -47,7 +47,7 @@ def our_step(cfg, pack):
     t = lambda f: os.path.join(cfg.task, f)  # noqa: E731
     out = os.path.join(cfg.out_dir, f"dpo-pack-{pack}")
     dpo.main(dpo.Config(out_dir=out, ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
-                        val_pairs=t("pairs_val.jsonl"), eval_prompts=t("prompts_eval.jsonl"),
+                        val_pairs=t("pairs_val.jsonl"), test_prompts=t("prompts_test.jsonl"),
                         pack=pack, steps=cfg.time_steps + 2, stop_after=cfg.time_steps + 1,
                         eval_every=10 ** 6, resume=False))
     with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -14,7 +14,8 @@ true reward stops rising with budget, and which setting gets there first:
   rollouts (--ppo_rollouts) and observed in --points chunks (its lr is constant, so a chunk is the
   shorter run, exactly).
 Every policy is scored by the frontier's evaluation (evaluate_policy): true reward and KL on the
-held-out prompts. Writes out/tune/tune.md (the tables, the tuning budget each method was given)
+validation prompts (prompts_val.jsonl: tuning never reads the test prompts the frontier reports on).
+Writes out/tune/tune.md (the tables, the tuning budget each method was given)
 and tune.csv (one row per run and point: per seed), and replaces the section "tune" of --results
 (RESULTS.md) by the tables. A run already finished is skipped.
 """
@@ -51,6 +52,10 @@ class Config:
     results: str = "RESULTS.md"  # its section "tune" gets the tables ("": none)
 
 
+# every tuning run is scored on the validation prompts, in the place of the test prompts
+VAL = "out/task/prompts_val.jsonl"
+
+
 def runs(cfg):
     """(name, stage, Config): DPO's lr × length grid; PPO one factor at a time around ppo.Config's
     defaults, each setting's iterations = --ppo_rollouts / its rollout batch."""
@@ -59,8 +64,8 @@ def runs(cfg):
         for n in [int(v) for v in floats(cfg.dpo_steps)]:
             out += [(f"dpo-lr{lr:g}-steps{n}-seed{s}", dpo, dpo.Config(
                 out_dir=f"{cfg.out_dir}/dpo-lr{lr:g}-steps{n}-seed{s}", beta=cfg.beta, lr=lr,
-                steps=n, seed=s)) for s in seeds]
-    base = ppo.Config()
+                steps=n, seed=s, test_prompts=VAL)) for s in seeds]
+    base = ppo.Config(test_prompts=VAL)
     grid = [("lr", lr) for lr in floats(cfg.ppo_lrs)] + \
         [("ppo_epochs", int(e)) for e in floats(cfg.ppo_epochs) if e != base.ppo_epochs] + \
         [("rollout_batch", int(b)) for b in floats(cfg.rollout_batches) if b != base.rollout_batch]
@@ -120,7 +125,7 @@ def markdown(rows, cfg, walls):
             f"## PPO (r_φ, KL coef {cfg.kl_coef:g}): one factor at a time around ppo.py's "
             f"defaults, {cfg.ppo_rollouts:,} scored rollouts each\n\n{table(head, body['ppo'])}\n\n"
             f"Each cell: mean ± standard error over the seeds ({cfg.seeds}), scored by the "
-            "frontier's evaluation (true reward and KL on the held-out prompts). Responses: DPO, "
+            "frontier's evaluation (true reward and KL on the validation prompts). Responses: DPO, "
             "2 labelled per pair; PPO, 1 scored rollout per prompt. Loop FLOPs: the training "
             f"loop's model FLOPs, cumulative. Tuning budget: {budget}.")
 

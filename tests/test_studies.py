@@ -49,6 +49,8 @@ def test_tune_varies_one_factor_at_a_time_at_one_budget_in_rollouts(tmp_path):
     cfg = tune.Config(out_dir=str(tmp_path), seeds="1,2", ppo_lrs="3e-5,1e-4",
                       ppo_epochs="2,4", rollout_batches="64,128", ppo_rollouts=1280)
     runs = tune.runs(cfg)
+    # tuning reads the validation prompts only: the test prompts stay for what is reported
+    assert {c.test_prompts for _, _, c in runs} == {"out/task/prompts_val.jsonl"}
     base, tuned = ppo.Config(), ("lr", "ppo_epochs", "rollout_batch")
     ppos = [c for _, stage, c in runs if stage is ppo]
     moved = sorted(tuple(f for f in tuned if getattr(c, f) != getattr(base, f)) for c in ppos)
@@ -75,38 +77,72 @@ def test_mean_and_standard_error_across_seeds_by_hand():
     assert compare.mean_se([1.0, None]) == (None, None)  # an eval.json without the field
 
 
-def test_matched_kl_interpolation_by_hand():
-    # settings of one method, each a list of its seeds' (kl, reward); given out of KL order
-    c = [(5.0, 1.0), (5.0, 1.0)]  # mean (5, 1), no spread
-    a = [(1.0, 0.0), (1.0, 1.0)]  # mean (1, 0.5); the reward alone spreads
-    b = [(2.5, 2.0), (3.5, 2.0)]  # mean (3, 2); the KL alone spreads
-    curve = [c, a, b]
-    # x = 2: halfway from a to b, 0.5 + 0.5·1.5 = 1.25; slope 0.75. reward − 0.75·kl per seed: a
-    # (-0.75, 0.25), s.e. |difference|/2 = 0.5; b (0.125, -0.625), s.e. 0.375. se² = 0.5²·0.5² +
-    # 0.5²·0.375² = 0.09765625 = 0.3125²
-    y, se = compare.at_kl(curve, 2.0)
-    assert y == pytest.approx(1.25, abs=1e-12) and se == pytest.approx(0.3125, abs=1e-12)
-    # x = 4: halfway from b to c, 1.5; slope -0.5: b's 2 + 0.5·kl = (3.25, 3.75), s.e. 0.25; c none
-    y, se = compare.at_kl(curve, 4.0)
-    assert y == pytest.approx(1.5, abs=1e-12) and se == pytest.approx(0.5 * 0.25, abs=1e-12)
-    assert compare.at_kl(curve, 1.0)[0] == pytest.approx(0.5, abs=1e-12)  # the range's own ends
-    assert compare.at_kl(curve, 5.0)[0] == pytest.approx(1.0, abs=1e-12)
-    for x in (0.99, 5.01, 0.0):  # outside the measured range of mean KL [1, 5]: no number
-        assert compare.at_kl(curve, x) is None
-    assert compare.at_kl([a], 1.0) is None  # one setting: no curve to read
+def frontier_row(method, config, seed, kl, reward, val_reward, check=None, eos=1.0, val_kl=None):
+    """One run's row of frontier.csv, as compare.frontier writes it, from hand values."""
+    beta, lr = config
+    return dict(run=f"{method}-{config}-{seed}", regime="default", method=method,
+                beta=beta if not method.startswith("PPO") else "",
+                kl_coef=beta if method.startswith("PPO") else "", lr=lr, seed=seed, kl=kl,
+                true_reward=reward, win_rate=0.5, eos_rate=eos, response_len=10.0,
+                true_reward_finished=reward, beyond_pool=None, true_reward_se=0.1,
+                n_completions=800, pool_best=None, val_kl=kl if val_kl is None else val_kl,
+                val_true_reward=val_reward, val_eos_rate=eos, check_val_true_reward=check,
+                wall_s=1.0)
+
+
+def test_frontier_tables_select_on_validation_and_flag_by_hand():
+    ref = dict(frontier_row("π_ref", ("", ""), "", 0.0, 0.0, 0.0), beta="", kl_coef="", lr="")
+    rows = [ref]
+    for seed, e in ((1, -0.1), (2, 0.1)):  # two seeds each, spread ±0.1 about the means
+        rows += [frontier_row("DPO", (0.1, 1e-3), seed, 2.0, 2.0 + e, 2.0 + e, check=2.0 + e),
+                 # better on test, but dominated on validation: never chosen
+                 frontier_row("DPO", (0.1, 3e-4), seed, 2.0, 5.0 + e, 1.0 + e, check=1.0 + e),
+                 frontier_row("PPO", (0.1, 1e-4), seed, 2.0, 1.0 + e, 1.0 + e, check=1.0 + e),
+                 # cut: 10% of its completions hit the budget
+                 frontier_row("PPO", (0.3, 1e-4), seed, 1.0, 3.0 + e, 3.0 + e, check=3.0 + e,
+                              eos=0.9),
+                 # budget: validation reward rose by 1 (± 0.02) over the last quarter
+                 frontier_row("PPO", (1.0, 1e-4), seed, 0.5, 2.5 + e, 2.5 + e,
+                              check=1.5 + e + 0.02 * seed)]
+    cfg = compare.Config(match_kls="1,2", check_at=0.75)
+    md = compare.frontier_markdown(rows, cfg)
+    line = lambda key: next(x for x in md.splitlines() if key in x)  # noqa: E731
+    assert line("| DPO | β 0.1, lr 0.001 |").split("|")[-3].strip() == "✓"
+    assert line("| DPO | β 0.1, lr 0.0003 |").split("|")[-3].strip() == ""
+    assert "| cut |" in line("KL coef 0.3, lr 0.0001")
+    assert "| budget |" in line("KL coef 1, lr 0.0001")
+    assert "| – |" in line("KL coef 0.1, lr 0.0001")  # neither flag
+    # matched KL: DPO's envelope runs from π_ref (0, 0) to its chosen (2, 2): at 1 nat +1, at 2
+    # +2; PPO's, its flagged settings left out, from (0, 0) to (2, 1): +0.5 and +1
+    mk = compare.matched_kl_markdown(rows, cfg)
+    assert "| 1 | +1.000 | +0.500 | +0.50 [" in mk and "| 2 | +2.000 | +1.000 | +1.00 [" in mk
+    # J_β at 0.1: DPO's lr chosen on validation (1e-3: 2 − 0.1·2 = 1.8), not its better test one
+    jb = compare.j_beta_markdown(rows, cfg)
+    assert "| 0.1 | +1.80 [" in jb and "(lr 0.001)" in jb and "+4.80" not in jb
 
 
 def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval(  # noqa: F811
         tiny, dpo_cache):
     d = init_distributed()
-    c = dpo_cfg(tiny, "curve-chunks", steps=4, eval_k=2)
-    points = compare.train_in_chunks(dpo, c, 2, d, resume=False)
+    c = dpo_cfg(tiny, "curve-chunks", steps=4, eval_k=2,
+                val_prompts=str(tiny.root / "dpo-data/prompts_val.jsonl"))
+    points = compare.train_in_chunks(dpo, c, 2, d, resume=False, val_at=2)
     assert [p["step"] for p in points] == [2, 4]
     with open(tiny.root / "curve-chunks" / "eval.json") as f:
         ev = json.load(f)
+    # the budget rule's point: the step-2 checkpoint on the validation prompts; and the stage's
+    # own evaluation scores the validation prompts too, under "val", as a study selects by
+    val_end = compare.evaluate_checkpoint(dpo, c, d, c.val_prompts)
+    assert ev["val"] == {k: v for k, v in val_end.items() if k != "samples"}
+    assert ev["val"]["kl"] != ev["kl"] and "val" in points[0] and "val" not in points[1]
+    assert points[0]["val"]["kl"] != ev["val"]["kl"]
     # the last point is the run's own final evaluation: the same policy, prompts, k and seed
     assert ({k: ev[k] for k in points[-1] if k != "step"}
             == {k: v for k, v in points[-1].items() if k != "step"})
+    # without test evaluations, the chunks stop only where something is scored, and at the end
+    c2 = replace(c, out_dir=str(tiny.root / "curve-val-only"))
+    only = compare.train_in_chunks(dpo, c2, 1, d, resume=False, test=False, val_at=3)
+    assert [p["step"] for p in only] == [3] and list(only[0]) == ["step", "val"]
     assert points[0]["kl"] != points[1]["kl"]  # the first point saw the policy halfway
     dpo.main(dpo_cfg(tiny, "curve-whole", steps=4, eval_k=2))
     a, b = dpo_weights(tiny.root / "curve-chunks"), dpo_weights(tiny.root / "curve-whole")
@@ -126,7 +162,8 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     task = root / "task"  # a slice of the task, so every run takes a second or two
     os.makedirs(task)
     for name, n in (("pairs_train.jsonl", 256), ("pairs_val.jsonl", 64),
-                    ("prompts_train.jsonl", 256), ("prompts_eval.jsonl", 16)):
+                    ("prompts_train.jsonl", 256), ("prompts_val.jsonl", 16),
+                    ("prompts_test.jsonl", 16)):
         (task / name).write_text("".join(open(f"{tiny.task}/{name}").readlines()[:n]))
     sft_file = f"{tiny.sft}/model.safetensors"
     precompute.main(precompute.Config(out_dir=str(root / "ref_logps"), ref_model=sft_file,
@@ -134,7 +171,8 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
                                       val_pairs=str(task / "pairs_val.jsonl")))
     cfg = compare.Config(out_dir=str(root / "out"), task=str(task), sft=sft_file,
                          reward_model=sft_file, ref_logps=str(root / "ref_logps"), betas="0.1",
-                         kl_coefs="0.05", true_kl_coefs="",
+                         dpo_lrs="1e-3", nll_betas="", kl_coefs="0.05", ppo_lrs="1e-4",
+                         true_kl_coefs="", online_betas="",
                          seeds="1,1001", dpo_steps=2, ppo_iterations=2, eval_k=1, curve_beta=0.1,
                          curve_kl_coef=0.05, curve_points=2, match_kls="0.001", rounds=1,
                          time_steps=2, results=str(root / "RESULTS.md"))
@@ -142,9 +180,9 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     with open(root / "out" / "frontier.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["run"], r["method"], r["seed"]) for r in rows] == [
-        ("ref", "π_ref", ""), ("dpo-beta0.1-seed1", "DPO", "1"),
-        ("dpo-beta0.1-seed1001", "DPO", "1001"),
-        ("ppo-kl0.05-seed1", "PPO", "1"), ("ppo-kl0.05-seed1001", "PPO", "1001")]
+        ("ref", "π_ref", ""), ("dpo-beta0.1-lr0.001-seed1", "DPO", "1"),
+        ("dpo-beta0.1-lr0.001-seed1001", "DPO", "1001"),
+        ("ppo-kl0.05-lr0.0001-seed1", "PPO", "1"), ("ppo-kl0.05-lr0.0001-seed1001", "PPO", "1001")]
     assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows
                                                for k in ("kl", "true_reward", "win_rate"))
     # the seeds trained differently
@@ -157,7 +195,8 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     # each curve: step 0 is π_ref, its last point the first seed's eval.json (ppo.py's and dpo.py's)
     with open(root / "out" / "curves.csv") as f:
         curves = list(csv.DictReader(f))
-    for run, row in (("dpo-beta0.1-seed1", rows[1]), ("ppo-kl0.05-seed1", rows[3])):
+    for run, row in (("dpo-beta0.1-lr0.001-seed1", rows[1]),
+                     ("ppo-kl0.05-lr0.0001-seed1", rows[3])):
         c = [r for r in curves if r["run"] == run]
         assert [int(r["step"]) for r in c] == [0, 1, 2] and float(c[0]["kl"]) == 0.0
         assert c[-1]["kl"] == row["kl"] and c[-1]["true_reward"] == row["true_reward"]
@@ -188,16 +227,17 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
             for a in (f"--{k}", str(v))]
     p = run_torchrun("-m study.compare", args + ["--no-costs"])
     assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 5
-    assert "[4/7] dpo-beta0.3-seed1: dpo.main" in p.stdout
+    assert "[4/7] dpo-beta0.3-lr0.001-seed1: dpo.main" in p.stdout
     with open(root / "out" / "frontier.csv") as f:
         assert [r["run"] for r in csv.DictReader(f)] == [
-            "ref", "dpo-beta0.1-seed1", "dpo-beta0.1-seed1001", "dpo-beta0.3-seed1",
-            "dpo-beta0.3-seed1001", "ppo-kl0.05-seed1", "ppo-kl0.05-seed1001"]
+            "ref", "dpo-beta0.1-lr0.001-seed1", "dpo-beta0.1-lr0.001-seed1001",
+            "dpo-beta0.3-lr0.001-seed1", "dpo-beta0.3-lr0.001-seed1001",
+            "ppo-kl0.05-lr0.0001-seed1", "ppo-kl0.05-lr0.0001-seed1001"]
     # the frontier's and the curves' sections rewritten by the torchrun command, the costs' kept
     written = (root / "RESULTS.md").read_text()
     assert written.count("<!-- begin frontier -->") == written.count("<!-- end costs -->") == 1
     assert "- Command: `torchrun --nproc_per_node=2 -m study.compare --out_dir " in written
-    assert "| DPO | 0.3 | 2 |" in written.split("<!-- begin frontier -->")[1].split(
+    assert "| DPO | β 0.3, lr 0.001 | 2 |" in written.split("<!-- begin frontier -->")[1].split(
         "<!-- end frontier -->")[0]
     assert written.split("<!-- begin costs -->")[1] == costs_before
 
