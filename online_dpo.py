@@ -6,11 +6,13 @@
     python online_dpo.py --reward true          # the hidden true reward labels the pairs
     python online_dpo.py --help                 # every flag, e.g. --prompts my.jsonl --beta 0.1
 
-Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"; TRL's
-OnlineDPOTrainer): each round, sample two completions per prompt from the current policy, let the
-reward model pick the better one, and take a step of DPO's loss (Eq. 7 of Rafailov et al. 2023) on
-these fresh pairs, the reference still π_ref. Read it between dpo.py and ppo.py: its headers are
-DPO's plus three of PPO's phases, and PPO's minus three. What returns from PPO's job:
+Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback", label the
+fresh pairs with an LLM annotator; a trained reward model labels them here, as in Dong et al. 2024,
+"RLHF Workflow", and TRL's OnlineDPOTrainer with a reward_model): each round, sample two
+completions per prompt from the current policy, let r_φ pick the better one, and take a step of
+DPO's loss (Eq. 7 of Rafailov et al. 2023) on these fresh pairs, the reference still π_ref. Read it
+between dpo.py and ppo.py: its headers are DPO's plus three of PPO's phases, and PPO's minus three.
+What returns from PPO's job:
   1. the rollout engine, its inference copy of the policy, and the weight broadcast that refreshes
      it after every update: the pairs are sampled during training, from the policy being trained;
   2. the reward service (r_φ from reward.py, or --reward true): it labels the samples;

@@ -570,6 +570,8 @@ def matched_kl_markdown(rows, cfg):
     ends = "; ".join(f"{m} {env[m][0][0]:.2f} to {env[m][-1][0]:.2f}" for m in methods if env[m])
     md = table(["KL(π‖π_ref) nats"] + [f"{m} true reward" for m in methods]
                + [f"{m} − PPO [95% CI]" for m in versus], body)
+    if all(c == "–" for cells in body for c in cells[1:]):  # no table of dashes
+        md = f"No --match_kls value ({cfg.match_kls} nats) lies inside any envelope."
     return (f"## At matched KL{regime_title(rows[0]['regime'], cfg)}: true reward on each "
             f"method's envelope\n\n{md}\n\nA method's envelope: the upper concave hull of the "
             "test means of its configurations on the validation envelope (the frontier table's "

@@ -1,28 +1,28 @@
-"""The frontier as a picture: true reward against KL(π‖π_ref) for every setting in RESULTS.md's
-frontier tables, each method's upper concave envelope drawn through its points.
+"""The frontier as a picture: true reward against KL(π‖π_ref) for every configuration in
+RESULTS.md's frontier table, each method's envelope drawn through those chosen on validation.
 
     pip install matplotlib          # the only study that needs it
     python -m study.figure          # reads RESULTS.md, writes docs/frontier.png
 
-It reads the tables `python -m study.compare` wrote (the sections named by --sections), so the
-figure shows the measured means and their standard errors over seeds, nothing else. The envelope is
+It reads the table `python -m study.compare` wrote (the sections named by --sections), so the figure
+shows the measured test means and their standard errors over seeds, nothing else. The envelope is
 what a method can attain: a mixture of two trained policies (one picked at random per prompt) gets
 their weighted mean reward at no more than their weighted mean KL (KL is convex), so every point
-under the upper concave hull of a method's measured points, π_ref at the origin included, is within
-its reach. Points below the envelope are settings the method reached and dominated.
+under the upper concave hull of its chosen configurations, π_ref at the origin included, is within
+its reach (study/envelope.py; the chosen ones: the table's "on val envelope" ✓).
 """
 import os
 import re
 from dataclasses import dataclass
 
 from plumbing import check, parse_config
+from study.envelope import upper_envelope
 
 
 @dataclass
 class Config:
     results: str = "RESULTS.md"  # the file whose frontier tables are drawn
-    sections: str = "frontier,frontier_lr3e-4"  # its sections to read, comma-separated
-    dpo_lrs: str = "1e-3,3e-4"  # the DPO lr of each section's sweep, for the legend
+    sections: str = "frontier"  # its sections to read, comma-separated
     out: str = "docs/frontier.png"  # the figure written
 
 
@@ -34,8 +34,8 @@ def mean_se(cell):
 
 def read_points(path, sections):
     """Each row of the frontier table (the one whose header starts `| method |`) in each section
-    of `path`: {"method", "setting", "section", "kl", "kl_se", "reward", "reward_se"}. A row that
-    repeats one already read (PPO, shared by both DPO sweeps) is read once."""
+    of `path`: {"method", "setting", "section", "kl", "kl_se", "reward", "reward_se", "chosen"}
+    (chosen: a ✓ under "on val envelope"). A row that repeats one already read is read once."""
     check(os.path.exists(path), f"{path} does not exist")
     text = open(path, encoding="utf-8").read()
     points, seen = [], set()
@@ -48,6 +48,7 @@ def read_points(path, sections):
         check(head is not None, f"{path}, section {name!r}: no table with a `| method |` header")
         cols = [c.strip() for c in lines[head].strip("|").split("|")]
         kl, reward = cols.index("KL(π‖π_ref) nats"), cols.index("true reward")
+        chosen = cols.index("on val envelope") if "on val envelope" in cols else None
         for line in lines[head + 2:]:
             if not line.startswith("|"):
                 break
@@ -58,29 +59,14 @@ def read_points(path, sections):
             seen.add(key)
             (x, x_se), (y, y_se) = mean_se(row[kl]), mean_se(row[reward])
             points.append({"method": row[0], "setting": row[1], "section": name, "kl": x,
-                           "kl_se": x_se, "reward": y, "reward_se": y_se})
+                           "kl_se": x_se, "reward": y, "reward_se": y_se,
+                           "chosen": chosen is None or row[chosen] == "✓"})
     return points
 
 
-def upper_envelope(xy):
-    """The upper concave hull of points (x, y), left to right, up to its highest point: the most
-    reward a method attains at each KL, mixing its policies (further right it can only lose, so the
-    hull stops at its top)."""
-    hull = []
-    for p in sorted(set(xy)):
-        # pop the last point while it lies on or below the chord from its predecessor to p
-        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
-                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) >= 0:
-            hull.pop()
-        hull.append(p)
-    top = max(range(len(hull)), key=lambda i: hull[i][1])
-    return hull[:top + 1]
-
-
-def draw(points, out, dpo_lrs):
+def draw(points, out):
     """The figure: each method's points with their standard errors over seeds (both axes), its
-    envelope through them, π_ref at the origin. dpo_lrs: {section: the lr of its DPO sweep}.
-    Written to out + '.tmp', then renamed."""
+    envelope through its chosen ones, π_ref at the origin. Written to out + '.tmp', renamed."""
     try:
         import matplotlib
     except ImportError:
@@ -93,22 +79,23 @@ def draw(points, out, dpo_lrs):
     groups = {}
     for p in points:
         if p["method"] != "π_ref":
-            lr = f" (lr {dpo_lrs[p['section']]})" if p["method"] == "DPO" else ""
-            groups.setdefault(p["method"] + lr, []).append(p)
+            groups.setdefault(p["method"], []).append(p)
     for label, ps in groups.items():
-        env = upper_envelope([(ref["kl"], ref["reward"])] + [(p["kl"], p["reward"]) for p in ps])
+        env = upper_envelope([(ref["kl"], ref["reward"])]
+                             + [(p["kl"], p["reward"]) for p in ps if p["chosen"]])
         line, = ax.plot(*zip(*env), "--", lw=1)
         ax.errorbar([p["kl"] for p in ps], [p["reward"] for p in ps],
                     xerr=[p["kl_se"] for p in ps], yerr=[p["reward_se"] for p in ps], fmt="o",
                     ms=5, capsize=2, color=line.get_color(), label=label)
         for p in ps:
-            ax.annotate(p["setting"], (p["kl"], p["reward"]), textcoords="offset points",
+            ax.annotate(p["setting"].replace(", ", "\n"), (p["kl"], p["reward"]),
+                        textcoords="offset points",
                         xytext=(4, 4), fontsize=7, color=line.get_color())
     ax.plot([ref["kl"]], [ref["reward"]], "ks", label="π_ref")
     ax.set_xlabel("KL(π‖π_ref), nats per completion")
     ax.set_ylabel("true reward (the task's hidden reward)")
-    ax.set_title("Points: β (DPO) or KL coef (PPO), mean ± s.e. over seeds; dashed: envelope",
-                 fontsize=9)
+    ax.set_title("Test prompts: each configuration, mean ± s.e. over seeds; dashed: the envelope "
+                 "of those chosen on validation", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -119,12 +106,9 @@ def draw(points, out, dpo_lrs):
 
 
 def main(cfg):
-    sections, lrs = cfg.sections.split(","), cfg.dpo_lrs.split(",")
-    check(len(sections) == len(lrs), f"--sections names {len(sections)} sections and --dpo_lrs "
-          f"{len(lrs)} lr: give one lr per section")
-    points = read_points(cfg.results, sections)
+    points = read_points(cfg.results, cfg.sections.split(","))
     check(any(p["method"] == "π_ref" for p in points), f"{cfg.results}: no π_ref row to anchor on")
-    draw(points, cfg.out, dict(zip(sections, lrs)))
+    draw(points, cfg.out)
     print(f"wrote {cfg.out}: {len(points)} points from the sections {cfg.sections} of "
           f"{cfg.results}")
 

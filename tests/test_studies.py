@@ -408,38 +408,29 @@ def test_eos_study_reads_each_run_and_its_eos_logprob_by_hand(tiny, dpo_cache, t
 # study/figure.py
 # ==================================================================================================
 
-def test_upper_envelope_by_hand():
-    # (1, 2) and (2, 2.5) are on top; (1.5, 1) lies below the chord; (3, 1) is right of the top
-    pts = [(0.0, 0.0), (1.5, 1.0), (1.0, 2.0), (3.0, 1.0), (2.0, 2.5)]
-    assert figure.upper_envelope(pts) == [(0.0, 0.0), (1.0, 2.0), (2.0, 2.5)]
-    # a point on the chord is not a corner; a point just above it is
-    assert figure.upper_envelope([(0, 0), (1, 1), (2, 2)]) == [(0, 0), (2, 2)]
-    assert figure.upper_envelope([(0, 0), (1, 1.01), (2, 2)]) == [(0, 0), (1, 1.01), (2, 2)]
-
-
 def test_figure_reads_the_frontier_tables_and_needs_matplotlib_only_to_draw(tmp_path, monkeypatch):
-    table = ("| method | β / KL coef | seeds | KL(π‖π_ref) nats | true reward | EOS rate |\n"
+    table = ("| method | configuration | seeds | KL(π‖π_ref) nats | true reward "
+             "| on val envelope |\n"
              "|---|---|---|---|---|---|\n"
-             "| π_ref |  | – | 0.000 | -0.012 | 0.998 |\n"
-             "| {m} | 0.3 | 3 | 12.508 ± 0.597 | +11.789 ± 0.164 | 0.968 ± 0.012 |\n"
-             "| PPO | 0.1 | 3 | 5.546 ± 0.085 | +7.712 ± 0.111 | 0.999 ± 0.000 |\n\n"
-             "| KL(π‖π_ref) nats | DPO true reward |\n|---|---|\n| 4 | +2.320 ± 0.094 |\n")
+             "| π_ref |  | – | 0.000 | -0.012 | ✓ |\n"
+             "| {m} | β 0.3, lr 0.001 | 3 | 12.508 ± 0.597 | +11.789 ± 0.164 | ✓ |\n"
+             "| PPO | KL coef 0.1, lr 0.0001 | 3 | 5.546 ± 0.085 | +7.712 ± 0.111 |  |\n\n"
+             "| KL(π‖π_ref) nats | DPO true reward |\n|---|---|\n| 4 | +2.320 |\n")
     path = tmp_path / "RESULTS.md"
     path.write_text(f"<!-- begin a -->\n{table.format(m='DPO')}<!-- end a -->\n\n"
                     f"<!-- begin b -->\n{table.format(m='DPO-b')}<!-- end b -->\n")
     pts = figure.read_points(str(path), ["a", "b"])
     # π_ref and PPO repeat in b and are read once; the matched-KL table is not a frontier table
-    assert [(p["method"], p["section"]) for p in pts] == [("π_ref", "a"), ("DPO", "a"),
-                                                          ("PPO", "a"), ("DPO-b", "b")]
+    assert [(p["method"], p["section"], p["chosen"]) for p in pts] == [
+        ("π_ref", "a", True), ("DPO", "a", True), ("PPO", "a", False), ("DPO-b", "b", True)]
     assert (pts[0]["kl"], pts[0]["reward"], pts[0]["reward_se"]) == (0.0, -0.012, 0.0)
     assert (pts[1]["kl"], pts[1]["kl_se"], pts[1]["reward"], pts[1]["reward_se"]) == (
         12.508, 0.597, 11.789, 0.164)
+    assert pts[2]["setting"] == "KL coef 0.1, lr 0.0001"
     with pytest.raises(SystemExit, match="has no section 'c'"):
         figure.read_points(str(path), ["a", "c"])
     out = tmp_path / "fig" / "frontier.png"
-    cfg = figure.Config(results=str(path), sections="a,b", dpo_lrs="1e-3,3e-4", out=str(out))
-    with pytest.raises(SystemExit, match="names 2 sections and --dpo_lrs 1 lr"):
-        figure.main(replace(cfg, dpo_lrs="1e-3"))
+    cfg = figure.Config(results=str(path), sections="a,b", out=str(out))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on a machine without it
     with pytest.raises(SystemExit, match="needs matplotlib .*nothing was written"):
         figure.main(cfg)
