@@ -345,6 +345,19 @@ def ev_fields(ev):
             **{f"ref_{k}": ev.get(f"ref_{k}") for k in EV_FIELDS[1:] if k != "win_rate"}}
 
 
+def same_run(saved, rec, stage):
+    """Was the run recorded as `saved` made from what `rec` describes? A config field that `saved`
+    lacks (the stage gained it since) counts as the same when `rec` holds the stage's default for
+    it, which reproduces the old behaviour; so adding a flag retrains nothing."""
+    if not saved or not stage:
+        return saved == rec
+    defaults, old = asdict(stage.Config()), dict(saved["config"])
+    for k in rec["config"].keys() - old.keys():
+        if k in defaults and rec["config"][k] == defaults[k]:
+            old[k] = rec["config"][k]
+    return {**saved, "config": old} == rec
+
+
 def frontier(cfg, Rs, d, say):
     """Train every run of every regime in Rs not already done (the curve runs in chunks); then, on
     rank 0, one row per run from its eval.json, and the learning curves' rows."""
@@ -374,13 +387,14 @@ def frontier(cfg, Rs, d, say):
                **({"curve_points": cfg.curve_points} if curve else {})}
         saved = json.loads(Path(out, "run.json").read_text()) if os.path.exists(f"{out}/run.json") \
             else {}
-        if main_decides(saved.get("run") == rec and saved["finished"]
+        same = same_run(saved.get("run"), rec, stage)
+        if main_decides(same and saved["finished"]
                         and os.path.exists(f"{out}/eval.json"), d):
             say(f"[{i + 1}/{len(todo)}] {name}: eval.json exists with the same config and inputs: "
                 "skipped")
             continue
         # this run, interrupted: resume; anything else: start over
-        resume = main_decides(saved.get("run") == rec, d)
+        resume = main_decides(same, d)
         what = ("π_ref against itself" if stage is None else
                 f"dpo.main, β {c.beta:g}, {c.steps} steps, seed {c.seed}" if stage is dpo else
                 f"online_dpo.main, β {c.beta:g}, {c.iterations} rounds, seed {c.seed}"

@@ -137,7 +137,8 @@ def main(cfg):
     for i, (name, stage, c) in enumerate(todo):
         done = f"{c.out_dir}/tune.json"  # the run's points and config, once it has finished
         rec = main_decides(os.path.exists(done), d) and json.loads(Path(done).read_text())
-        if not rec or rec["config"] != asdict(c):
+        if not rec or not compare.same_run({"config": rec["config"]}, {"config": asdict(c)},
+                                           stage):
             say(f"[{i + 1}/{len(todo)}] {name}")
             t1 = time.time()
             points = train(stage, c, cfg, d)

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -119,6 +119,18 @@ def test_frontier_tables_select_on_validation_and_flag_by_hand():
     # J_β at 0.1: DPO's lr chosen on validation (1e-3: 2 − 0.1·2 = 1.8), not its better test one
     jb = compare.j_beta_markdown(rows, cfg)
     assert "| 0.1 | +1.80 [" in jb and "(lr 0.001)" in jb and "+4.80" not in jb
+
+
+def test_a_run_recorded_before_a_field_existed_is_the_same_run_at_its_default():
+    c = dpo.Config(out_dir="o", beta=0.3)
+    rec = {"stage": "dpo", "config": asdict(c), "sft_sha256": "ab"}
+    older = {**rec, "config": {k: v for k, v in rec["config"].items() if k != "rpo_alpha"}}
+    assert compare.same_run(rec, rec, dpo) and compare.same_run(older, rec, dpo)
+    # the new field away from its default: another run; any other difference too
+    assert not compare.same_run(older, {**rec, "config": asdict(replace(c, rpo_alpha=1.0))}, dpo)
+    assert not compare.same_run(rec, {**rec, "config": asdict(replace(c, beta=0.1))}, dpo)
+    assert not compare.same_run(older, {**rec, "sft_sha256": "cd"}, dpo)
+    assert not compare.same_run(None, rec, dpo) and not compare.same_run({}, rec, dpo)
 
 
 def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval(  # noqa: F811
