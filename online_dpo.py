@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=8 online_dpo.py   # DDP: each rank samples its share of the prompts
     torchrun --nproc_per_node=8 online_dpo.py --fsdp   # FSDP2: policy, π_ref and r_φ sharded
     python online_dpo.py --reward true          # the hidden true reward labels the pairs
+    python online_dpo.py --reward oracle        # Bradley-Terry draws on it, as the offline pairs
     python online_dpo.py --help                 # every flag, e.g. --prompts my.jsonl --beta 0.1
 
 Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback", label the
@@ -15,7 +16,7 @@ between dpo.py and ppo.py: its headers are DPO's plus three of PPO's phases, and
 What returns from PPO's job:
   1. the rollout engine, its inference copy of the policy, and the weight broadcast that refreshes
      it after every update: the pairs are sampled during training, from the policy being trained;
-  2. the reward service (r_φ from reward.py, or --reward true): it labels the samples;
+  2. the reward service (r_φ from reward.py, or --reward true / oracle): it labels the samples;
   3. the live reference model: log π_ref of samples that did not exist before this round cannot be
      precomputed, so π_ref is resident again and runs forward every round (the reference log-probs).
 What stays deleted: the critic (PPO's old log-probs and values), the per-token rewards with the KL
@@ -56,7 +57,7 @@ class Config:
     prompts: str = "out/task/prompts_train.jsonl"  # rollout prompts: JSONL {"prompt"}, or lines
     test_prompts: str = "out/task/prompts_test.jsonl"  # held-out prompts for eval.json
     val_prompts: str = ""  # held-out prompts a study selects on, into eval.json's "val" ("": none)
-    reward: str = "model"  # "model": r_φ labels the pairs; "true": the hidden true reward does
+    reward: str = "model"  # labeller: "model" r_φ; "true" hidden reward; "oracle" BT draws on it
     beta: float = 0.5  # the KL(π‖π_ref) constraint, as dpo.py's
     iterations: int = 200  # rounds of rollout + one DPO step on its pairs (dpo.py's 200 steps)
     rollout_batch: int = 64  # prompts per round, all ranks: 64 pairs, dpo.py's batch
@@ -90,6 +91,16 @@ def label_pairs(score_a, score_b):
     return score_a > score_b, score_a == score_b
 
 
+def bradley_terry_labels(score_a, score_b, u, same):
+    """The labeller of the built-in task's offline pairs (task.sample_pair), on fresh pairs: a is
+    chosen with probability σ(r(a) - r(b)), the Bradley-Terry model (Bradley & Terry 1952; Eq. 1 of
+    Rafailov et al. 2023), drawn as u < σ(r(a) - r(b)) with u ~ U(0, 1). Scores, uniforms (B,)
+    float; same (B,) bool, the two completions identical -> (a_chosen (B,) bool, tied (B,) bool).
+    Equal scores are a coin flip, as Bradley-Terry says and as the offline pool labels them; only
+    identical completions carry no preference, so only they tie (weight 0 in the loss)."""
+    return u < torch.sigmoid(score_a - score_b), same
+
+
 # ==== helpers the loop calls: dpo_loss from dpo.py, pair_logps from model.py
 
 
@@ -107,11 +118,26 @@ def sample(rollout, prompts, batch, idx, it, cfg, d, tok):
     return generate(rollout, mine + mine, n_new, tok.eos, tok.pad, uniforms=U.to(d.device))
 
 
+def label(scores, ys, it, cfg, d):
+    """The verdict on this rank's B pairs, scores (2B,) as [a; b] -> (a_chosen, tied) (B,) each.
+    --reward oracle draws pair j's label from entry j of uniforms seeded by (seed, round), one per
+    global pair, on a stream of its own (+2: the sampling's is +1), sliced as sample() slices its
+    rows: the same labels on any world size. Otherwise the higher score wins (label_pairs)."""
+    B = len(scores) // 2
+    if cfg.reward != "oracle":
+        return label_pairs(scores[:B], scores[B:])
+    rng = torch.Generator().manual_seed(cfg.seed + SEED_STRIDE * it + 2)
+    u = torch.rand(cfg.rollout_batch, generator=rng)[d.rank * B:(d.rank + 1) * B]
+    same = torch.tensor([a == b for a, b in zip(ys[:B], ys[B:])], device=d.device)
+    return bradley_terry_labels(scores[:B], scores[B:], u.to(d.device), same)
+
+
 def score(reward_model, out, ys, texts, tok, cfg, d):
-    """The reward service: r_φ's score of each completion (or the hidden true reward). No EOS (the
-    block ran out): missing_eos_score instead, ppo.py's rule (lm-human-preferences'), so an
-    unfinished completion loses to a finished one that r_φ scores above it, and two unfinished
-    ones tie. Returns (score (2B,), has_eos (2B,))."""
+    """The reward service: r_φ's score of each completion (or the hidden true reward, which the
+    oracle's draw reads too). No EOS (the block ran out): missing_eos_score instead, ppo.py's rule
+    (lm-human-preferences'), so an unfinished completion loses to a finished one that r_φ scores
+    above it (the oracle: with σ of the difference), and two unfinished ones tie (the oracle: a
+    coin flip). Returns (score (2B,), has_eos (2B,))."""
     if reward_model is not None:
         with torch.no_grad(), autocast(d.device):
             raw = score_at_last(reward_model(out["tokens"], mask=out["mask"]).float(), out["mask"])
@@ -142,7 +168,9 @@ def sampling_flops(out, policy, reward_model):
 # then on and no later round can train; it was saved with exit code 0 at KL 499 nats. A policy
 # that collapses either stops ending (unfinished completions tie at missing_eos_score) or becomes
 # deterministic (identical completions tie), so the rule catches both. Measured on the built-in task
-# at β 0.1: at most 9% of a round's pairs tie (0.35% over the 200 rounds).
+# at β 0.1: at most 9% of a round's pairs tie (0.35% over the 200 rounds). Under --reward oracle
+# two unfinished completions are a coin flip, not a tie: there the rule catches only a policy that
+# became deterministic.
 PHASES = ("batch", "rollout", "reward", "reference", "policy_forward", "loss", "update",
           "broadcast")
 
@@ -153,8 +181,8 @@ PHASES = ("batch", "rollout", "reward", "reference", "policy_forward", "loss", "
 def setup(cfg, d, log):
     """The prompts, tokenized and cut to max_prompt_len, π_ref's tokenizer and what the weights
     are trained from; a missing π_ref, r_φ or built-in task is built first."""
-    check(cfg.reward in ("model", "true"),
-          f"--reward must be 'model' or 'true', not {cfg.reward!r}")
+    check(cfg.reward in ("model", "true", "oracle"),
+          f"--reward must be 'model', 'true' or 'oracle', not {cfg.reward!r}")
     check(cfg.beta > 0, f"--beta must be > 0, got {cfg.beta}")
     prepare_outputs({cfg.out_dir: "--out_dir", os.path.join(cfg.out_dir, "ckpt"): "--out_dir"},
                     d, log)
@@ -194,7 +222,7 @@ def load_models(cfg, d):
     bf16 = precision(d.device) == "bf16"
     policy = load_model(cfg.sft, d.device, head="lm")[0]
     ref = wrap(freeze(load_model(cfg.sft, d.device, head="lm")[0], bf16), d, fsdp=cfg.fsdp)
-    reward_model = None  # --reward true labels with a Python function: no reward model resident
+    reward_model = None  # --reward true or oracle: a Python function labels, no r_φ resident
     if cfg.reward == "model":
         reward_model = wrap(freeze(load_model(cfg.reward_model, d.device, head="scalar")[0], bf16),
                             d, fsdp=cfg.fsdp)
@@ -247,7 +275,8 @@ def main(cfg):
     log.start(start)  # metrics.jsonl keeps the rounds up to `start`
     micro_batch = B // accum  # pairs per forward on this rank
     peak = measure_peak_flops(d.device, matmul_shapes(policy.config, 2 * micro_batch * T))
-    scorer = f"r_φ {cfg.reward_model}" if reward_model is not None else "the hidden true reward"
+    scorer = {"model": f"r_φ {cfg.reward_model}", "true": "the hidden true reward (argmax)",
+              "oracle": "Bradley-Terry draws on the hidden true reward"}[cfg.reward]
     log.print(f"beta {cfg.beta} | rollout {cfg.rollout_batch} prompts x 2 completions = "
               f"{d.world} ranks x {B} x 2 | batch {cfg.rollout_batch} pairs = {d.world} ranks x "
               f"{accum} accumulation x {micro_batch} | reward: {scorer} | device {d.device} | "
@@ -295,11 +324,11 @@ def experience(models, prompts, texts, it, accum, cfg, d, tok, meter):
     meter.lap("rollout")
 
     # -- reward service: score each completion, cut at its EOS (generate pads after it); the
-    # higher score is chosen, a tie weighs 0 in the loss
+    # higher score is chosen (--reward oracle: Bradley-Terry's draw), a tie weighs 0 in the loss
     ys = [t[m].tolist() for t, m in zip(out["tokens"], out["response_mask"])]  # (2B,) token ids
     mine = [texts[i] for i in idx]
     scores, has_eos = score(models.reward_model, out, ys, mine, tok, cfg, d)
-    a_chosen, tied = label_pairs(scores[:B], scores[B:])
+    a_chosen, tied = label(scores, ys, it, cfg, d)
     pairs = [dict(index=j, prompt=prompts[i], chosen=a if w else b, rejected=b if w else a)
              for j, (i, a, b, w) in enumerate(zip(idx, ys[:B], ys[B:], a_chosen.tolist()))]
     meter.lap("reward")

@@ -2933,18 +2933,61 @@ def test_online_dpo_trains_on_the_log_probs_it_sampled_from(tiny, monkeypatch, t
     assert (pi - ref).abs().max() > 1e-2  # round 2: the policy has moved off π_ref
 
 
+def watch_rounds(monkeypatch):
+    """Spies on online_dpo's rounds; returns the list each round appends to: the sampling's
+    uniforms "U", the experience dict "ex", and (--reward oracle) the label draw's uniforms "u"."""
+    rounds, real_experience = [], online_dpo.experience
+    bradley_terry_labels = online_dpo.bradley_terry_labels
+
+    def spy_generate(*a, uniforms=None, **kw):
+        rounds.append({"U": uniforms})
+        return generate(*a, uniforms=uniforms, **kw)
+
+    def spy_labels(score_a, score_b, u, same):
+        rounds[-1]["u"] = u
+        return bradley_terry_labels(score_a, score_b, u, same)
+
+    def spy_experience(*a, **kw):
+        rounds[-1]["ex"] = real_experience(*a, **kw)
+        return rounds[-1]["ex"]
+    monkeypatch.setattr(online_dpo, "generate", spy_generate)
+    monkeypatch.setattr(online_dpo, "bradley_terry_labels", spy_labels)
+    monkeypatch.setattr(online_dpo, "experience", spy_experience)
+    return rounds
+
+
+@pytest.mark.parametrize("labeller", ["model", "oracle"])
 def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted(
-        tiny, tiny_rm):  # noqa: F811
-    root = tiny.root / "online-test"
+        tiny, tiny_rm, labeller, monkeypatch):  # noqa: F811
+    root = tiny.root / f"online-test-{labeller}"
     os.makedirs(root)
     evals = open(f"{tiny.task}/prompts_test.jsonl").readlines()[:4]
     (root / "eval.jsonl").write_text("".join(evals))
     cfg = dict(sft=f"{tiny.sft}/model.safetensors", reward_model=str(tiny_rm / "model.safetensors"),
                prompts=f"{tiny.task}/prompts_train.jsonl", test_prompts=str(root / "eval.jsonl"),
                iterations=2, rollout_batch=8, micro_batch_size=2, eval_k=1,
-               lr=1e-3, warmup=1)
-    # 1 rank, 4 micro-steps
+               lr=1e-3, warmup=1, reward=labeller)
+    # 1 rank, 4 micro-steps, its rounds watched: a pair ties (weight 0) exactly where its two
+    # completions score alike (r_φ), or, under the oracle, only where they are identical (equal
+    # scores are Bradley-Terry's coin flip); the label draw shares no uniform with the sampling
+    rounds = watch_rounds(monkeypatch)
     online_dpo.main(online_dpo.Config(out_dir=str(root / "one"), **cfg))
+    monkeypatch.undo()
+    tok, a = data.load_tokenizer(f"{tiny.sft}/tokenizer.json"), dpo_metrics(root / "one")
+    coin_flips = 0  # pairs of equal scores, distinct completions, not tied
+    for r, m in zip(rounds, a, strict=True):
+        ex, B = r["ex"], cfg["rollout_batch"]
+        ys, s = ex["ys"], ex["score"].tolist()
+        same = [y == z for y, z in zip(ys[:B], ys[B:])]
+        equal = [x == y for x, y in zip(s[:B], s[B:])]
+        tie = same if labeller == "oracle" else equal
+        assert (ex["keep"] == 0).tolist() == tie and m["ties"] == sum(tie) / B
+        coin_flips += sum(e and not t for e, t in zip(equal, tie))
+        if labeller == "oracle":  # the hidden reward, an unfinished completion at its score
+            missing = online_dpo.Config.missing_eos_score
+            assert s == [tasks.true_reward(t, tok.decode(y)) if y[-1] == tok.eos else missing
+                         for t, y in zip(ex["texts"] * 2, ys)]
+            assert not set(r["u"].tolist()) & set(r["U"].flatten().tolist())
     # 2 ranks, 2 micro-steps; also the smoke run of the whole script
     flags = [f"--{k}={v}" for k, v in {**cfg, "out_dir": root / "two"}.items()]
     p = run_torchrun("online_dpo.py", flags)
@@ -2958,7 +3001,8 @@ def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted
     for k in ("loss", "rewards/margins", "score", "kl", "logps/chosen", "grad_norm"):
         assert all(abs(x[k] - y[k]) <= DPO_TOL * max(1, abs(x[k])) for x, y in zip(a, b)
                    if k in x), k
-    assert all(0 < x["ties"] < 1 for x in a)  # neither vacuous nor all ties: the labels matter
+    # neither vacuous nor all ties: the labels matter (the oracle: some equal scores drawn)
+    assert all(0 < x["ties"] < 1 for x in a) if labeller == "model" else coin_flips > 0
     # --fsdp on the same 2 ranks: policy, π_ref and r_φ sharded, the same rounds (the same
     # tolerance: sharding changes only the order of fp32 sums), the model saved whole
     p = run_torchrun("online_dpo.py",
@@ -2983,6 +3027,71 @@ def test_online_dpo_two_ranks_equal_one_process_and_resumed_equals_uninterrupted
         return [{k: v for k, v in r.items()
                  if not k.startswith(("time/", "share/", "tokens_per", "mfu"))} for r in rows]
     assert strip(a) == strip(dpo_metrics(root / "split"))
+
+
+def test_oracle_labels_are_bradley_terry_draws_on_the_hidden_reward():
+    # --reward oracle labels as task.sample_pair labelled the offline pool: a is chosen with
+    # probability σ(r(a) - r(b)), as u < σ of the scores the other labellers see
+    n, g = 20_000, torch.Generator().manual_seed(0)
+    distinct = torch.zeros(n, dtype=torch.bool)
+    for diff in (-3.0, -1.0, 0.0, 0.5, 2.5):
+        a, b = torch.full((n,), diff, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+        a_chosen, tied = online_dpo.bradley_terry_labels(a, b, u, distinct)
+        p = 1 / (1 + math.exp(-diff))
+        assert abs(a_chosen.double().mean() - p) <= 4 * math.sqrt(p * (1 - p) / n), diff
+        assert a_chosen.tolist() == [x < p for x in u.tolist()] and not tied.any(), diff
+    # strictly below: u = σ is b, as task.sample_pair swaps at u >= σ
+    a, b = torch.tensor([0.5, 0.5]), torch.zeros(2)
+    p = torch.sigmoid(a - b)
+    u = torch.stack([p[0], torch.nextafter(p[1], torch.tensor(0.0))])
+    assert online_dpo.bradley_terry_labels(a, b, u, distinct[:2])[0].tolist() == [False, True]
+    # only identical completions tie, whatever the draw; equal scores of distinct ones do not
+    same = torch.tensor([True, False])
+    assert online_dpo.bradley_terry_labels(b, b, u, same)[1].tolist() == [True, False]
+    # an unfinished completion scores missing_eos_score before the draw (ppo.py's rule): a
+    # finished one with reward r beats it with probability σ(r - missing_eos_score)
+    words = ["<eos>", *sorted(tasks.WEIGHTS)]
+    tok = SimpleNamespace(eos=0, decode=lambda y: " ".join(words[i] for i in y if i))
+    cfg = online_dpo.Config(missing_eos_score=-2.0)
+    ys = [[1, 2, 0], [1, 2]]  # the same words, the second cut before its EOS
+    r = tasks.true_reward("", " ".join(words[1:3]))
+    scores, has_eos = online_dpo.score(None, None, ys, ["a prompt"], tok, cfg, CPU)
+    assert scores.tolist() == [r, -2.0] and has_eos.tolist() == [True, False]
+    u = torch.rand(n, generator=g)
+    a_chosen, _ = online_dpo.bradley_terry_labels(scores[0].expand(n), scores[1].expand(n), u,
+                                                  distinct)
+    p = 1 / (1 + math.exp(-(r + 2.0)))
+    assert abs(a_chosen.double().mean() - p) <= 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_oracle_labels_are_the_same_on_any_world_size_and_tie_only_identical_completions():
+    # online_dpo.label under --reward oracle: one uniform per global pair, rank r's pairs the r-th
+    # slice, so 2 ranks label each pair as 1 rank does; a new round draws anew
+    cfg = online_dpo.Config(reward="oracle", rollout_batch=64)
+    R, g = cfg.rollout_batch, torch.Generator().manual_seed(0)
+    scores = torch.randint(-2, 3, (2 * R,), generator=g).float()  # [a; b], ties among them
+    ys = [[5, j] for j in range(R)] + [[5, j if j % 4 == 0 else -j] for j in range(R)]
+    a_chosen, tied = online_dpo.label(scores, ys, 3, cfg, CPU)
+    assert tied.tolist() == [j % 4 == 0 for j in range(R)]  # identical, not merely equal scores
+    halves = []
+    for r in range(2):
+        mine = [*range(r * R // 2, (r + 1) * R // 2), *range(R + r * R // 2, R + (r + 1) * R // 2)]
+        halves.append(online_dpo.label(scores[mine], [ys[i] for i in mine], 3, cfg,
+                                       Dist(r, r, 2, torch.device("cpu"), r == 0, False)))
+    assert torch.equal(torch.cat([h[0] for h in halves]), a_chosen)
+    assert torch.equal(torch.cat([h[1] for h in halves]), tied)
+    assert not torch.equal(online_dpo.label(scores, ys, 4, cfg, CPU)[0], a_chosen)
+
+
+def test_online_dpo_refuses_an_unknown_labeller(tmp_path):
+    # one line naming the allowed values, before any work: no output folder, no traceback
+    out = tmp_path / "never"
+    p = subprocess.run([sys.executable, os.path.join(HERE, "online_dpo.py"), "--reward", "bt",
+                        "--out_dir", str(out)], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)
+    assert p.returncode != 0 and not out.exists(), p.stderr
+    assert p.stderr.strip() == "error: --reward must be 'model', 'true' or 'oracle', not 'bt'"
 
 
 # ==================================================================================================
