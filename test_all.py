@@ -22,6 +22,7 @@ if os.environ.get("TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import hashlib
+import inspect
 import itertools
 import json
 import math
@@ -1584,6 +1585,15 @@ def test_every_numeric_flag_of_every_stage_is_checked_before_any_work(tmp_path, 
                 assert f"--{f.name} " in str(e.value) and interval in str(e.value), e.value
                 checked += 1
     assert checked > 150
+    # a value a field's comment gives a meaning to ("0 = no curves", "0: plain DPO") is allowed
+    documented = 0
+    for cls in configs:
+        for line in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+): (?:int|float) = .*#.*[ (]0(?: =|:) ", line)
+            if m:
+                assert plumbing.in_range(0, plumbing.FLAG_RANGES[m.group(1)]), line
+                documented += 1
+    assert documented >= 7
     # the cases a review found crashing or saving π_ref silently, refused by the CLI before any
     # work: nothing is written, not even the output folder
     for script, args in (("dpo.py", ["--steps", "-3"]), ("sft.py", ["--batch_size", "0"]),
