@@ -558,7 +558,10 @@ def frontier_markdown(rows, cfg):
             "of π_ref against a second copy of itself (its sampling s.e. is "
             f"{ref['true_reward_se']:.3f}). A run repeats exactly on the same CPU with the same "
             f"thread count ({torch.get_num_threads()} here). Wall time: training and evaluation, "
-            "mean per run.")
+            f"mean per run; the {len(rows) - 1} runs took "
+            f"{fmt_duration(sum(r['wall_s'] or 0 for r in rows[1:]))} in all, whichever "
+            "invocation of the command trained each (a rerun skips finished runs, so the "
+            "section's own wall time can be far shorter).")
 
 
 def matched_kl_markdown(rows, cfg):
