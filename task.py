@@ -2,8 +2,8 @@
 a seed, with its hidden true reward.
 
     python task.py                   # build out/task if it is missing, then show a few pairs
-    python task.py --regime capped   # a regime of the task: default, capped or shifted; here
-                                     # out/task-capped (--out_dir to choose)
+    python task.py --regime capped   # a regime of the task: default, capped, unseen or shifted;
+                                     # here out/task-capped (--out_dir to choose)
     python task.py --help            # --seed, --out_dir
 
 It writes its preference pairs in the JSONL schema a user brings ({"prompt", "chosen",
@@ -40,6 +40,9 @@ NEGATIVE_VERB = {"hated": -2.0, "disliked": -1.5, "endured": -1.0}
 SENTIMENT = {"{adj}": (list(POSITIVE_ADJ), list(NEGATIVE_ADJ)),
              "{verb}": (list(POSITIVE_VERB), list(NEGATIVE_VERB))}
 WEIGHTS = {**POSITIVE_ADJ, **NEGATIVE_ADJ, **POSITIVE_VERB, **NEGATIVE_VERB}
+# The best behaviour: the words of the highest weight (great, superb, loved), which the unseen
+# regime keeps out of its pair pool.
+TOP_WORDS = {w for w, v in WEIGHTS.items() if v == max(WEIGHTS.values())}
 P_VALUES = (0.1, 0.3, 0.5, 0.7, 0.9)  # the latent sentiment, uniform
 P_STOP = 0.35                         # after each sentence from the 2nd on: memoryless length
 MAX_SENTENCES = 8                     # so every text fits a 64-token context with BOS and EOS
@@ -78,33 +81,48 @@ def sample_prompt(rng, p_values=P_VALUES):
     p, k = rng.choice(p_values), rng.choice((1, 2))
     return p, k, " ".join(_sentence(rng, p) for _ in range(k))
 
-def sample_pair(rng, p_values=P_VALUES, cap=None, redraw=None):
+def sample_pair(rng, p_values=P_VALUES, reject=None, redraw=None):
     """Two continuations of one prompt by the same generator (same latent p), labelled by
     Bradley-Terry on the hidden reward: chosen is the first with probability sigmoid(r1 - r2).
-    With a cap (the capped regime), a response whose reward exceeds it is redrawn from the `redraw`
-    stream until it does not: rejection sampling, so each response is the generator's, conditioned
-    on reward <= cap (and the two distinct). The prompt and the label's uniform come from `rng`
-    first, so a pair that was under the cap anyway is the uncapped pair, byte for byte."""
+    With reject(prompt, response) (a regime's rule: capped, unseen), a response it rejects is
+    redrawn from the `redraw` stream until it is not: rejection sampling, so each response is the
+    generator's, conditioned on the rule (and the two distinct). The prompt and the label's uniform
+    come from `rng` first, so a pair whose responses the rule kept is the default pair, byte for
+    byte, and so is a kept response of a pair whose other one was redrawn."""
     p, k, prompt = sample_prompt(rng, p_values)
     a = b = ""
     while a == b:
         # responses start with the space
         a, b = (" " + " ".join(_sentences(rng, p, k)) for _ in range(2))
     u = rng.random()
-    if cap is not None:
-        while true_reward(prompt, a) > cap:
+    if reject is not None:
+        while reject(prompt, a):
             a = " " + " ".join(_sentences(redraw, p, k))
-        while true_reward(prompt, b) > cap or b == a:
+        while reject(prompt, b) or b == a:
             b = " " + " ".join(_sentences(redraw, p, k))
     if u >= 1 / (1 + math.exp(true_reward(prompt, b) - true_reward(prompt, a))):
         a, b = b, a
     return dict(prompt=prompt, chosen=a, rejected=b)
 
+def _words(text):
+    """The words the hidden reward reads: runs of letters, lower-cased ("greatly" is one word)."""
+    return re.findall(r"[a-z]+", text.lower())
+
 def true_reward(prompt, response):
     """The hidden reward: the sum of the response's word weights (unknown words and junk score 0).
     Labels the pairs and scores evaluations; DPO never calls it. The prompt does not count: for one
     prompt it would shift every completion's reward by the same amount."""
-    return float(sum(WEIGHTS.get(w, 0.0) for w in re.findall(r"[a-z]+", response.lower())))
+    return float(sum(WEIGHTS.get(w, 0.0) for w in _words(response)))
+
+def has_top_word(text):
+    """Whether a text holds a top word (TOP_WORDS) as a word the hidden reward scores."""
+    return not TOP_WORDS.isdisjoint(_words(text))
+
+def top_word_rate(texts):
+    """The share of texts (completions, responses) holding at least one top word: a count of
+    completions, not of words, so an exploration table reads it as how often a policy shows the
+    best behaviour, beside its true reward."""
+    return sum(map(has_top_word, texts)) / len(texts)
 
 def _fits(word, slot):
     if slot in NEUTRAL:
@@ -143,28 +161,35 @@ def text_logprob(text, p_values=P_VALUES):
     m = max(lp)
     return logq + m + math.log(sum(math.exp(x - m) for x in lp) / len(p_values))
 
-# Regimes of the task: one language and one hidden reward, three ways to draw the data.
+# Regimes of the task: one language and one hidden reward, four ways to draw the data.
 # The default pairs come from the generator π_ref imitates, so offline pairs are on-distribution and
 # show every behaviour; each other regime takes away one thing that online sampling may buy back.
 # A regime's task lives in its own folder (task_dir: out/task-capped, out/task-shifted) with the
-# same files, and the stages read it through their path flags, e.g. for capped, whose π_ref is the
-# default's: python reward.py --out_dir out/capped/reward --train_pairs
+# same files, and the stages read it through their path flags, e.g. for capped (or unseen), whose
+# π_ref is the default's: python reward.py --out_dir out/capped/reward --train_pairs
 # out/task-capped/pairs_train.jsonl --val_pairs out/task-capped/pairs_val.jsonl, and likewise
 # precompute.py, dpo.py and online_dpo.py; shifted needs its own sft.py run first.
 REGIMES = {
     "default": "pairs drawn from the generator pi_ref imitates: on-distribution, every behaviour",
     "capped": "the pair pool holds no response whose true reward exceeds the cap; the texts, the "
               "prompts and so pi_ref are the default's",
+    "unseen": "the pair pool holds no response with a top word (TOP_WORDS: great, superb, loved); "
+              "the texts, the prompts and so pi_ref are the default's, and pi_ref emits them",
     "shifted": "the generator's latent sentiment is mostly negative (p in SHIFTED_P_VALUES): "
                "pi_ref's mode sits away from high reward, the pairs drawn from that same generator",
 }
 # The median true reward of the generator's responses: 0, since the reward's distribution is
 # symmetric about 0 (P_VALUES and the word weights are) and has an atom there (neutral responses).
 CAP = 0.0
+# unseen: the rule is on responses only, the behaviour the labels can show. A pair's prompt keeps
+# its top words (it is the default's, as the held-out prompts are, so π_ref is tested on the same
+# openings); the hidden reward ignores the prompt.
+REJECT = {"capped": lambda prompt, y: true_reward(prompt, y) > CAP,
+          "unseen": lambda prompt, y: has_top_word(y)}
 SHIFTED_P_VALUES = (0.1, 0.2, 0.3)  # uniform: 4 sentiment words in 5 are negative, not 1 in 2
 
 def task_dir(regime):
-    """Where a regime's task lives by default: out/task, out/task-capped, out/task-shifted."""
+    """Where a regime's task lives by default: out/task, else out/task-<regime>."""
     return "out/task" if regime == "default" else f"out/task-{regime}"
 
 def check_regime(regime):
@@ -193,14 +218,15 @@ def build_task(out_dir="out/task", seed=0, regime="default"):
     # a stream per file: resizing one changes no other
     rng = lambda name: random.Random(f"{seed}/{name}")  # noqa: E731
     p_values = SHIFTED_P_VALUES if regime == "shifted" else P_VALUES
-    cap = CAP if regime == "capped" else None
     files = {}
     for name in ("sft_train", "sft_val"):
         r = rng(name)
         files[name] = [sample_text(r, p_values) for _ in range(SIZES[name])]
     for name in ("pairs_train", "pairs_val"):
-        r, redraw = rng(name), rng(f"{name}/capped")
-        files[name] = [sample_pair(r, p_values, cap, redraw) for _ in range(SIZES[name])]
+        # a regime's redraws come from a stream of its own (pairs_train/capped, .../unseen)
+        r, redraw = rng(name), rng(f"{name}/{regime}")
+        files[name] = [sample_pair(r, p_values, REJECT.get(regime), redraw)
+                       for _ in range(SIZES[name])]
     for name in ("prompts_train", "prompts_test", "prompts_val"):
         # the test prompts are the stream once named prompts_eval: the held-out set of earlier runs
         r = rng("prompts_eval" if name == "prompts_test" else name)
@@ -234,8 +260,15 @@ def build_task(out_dir="out/task", seed=0, regime="default"):
                     sft_text=longest(files["sft_train"] + files["sft_val"]) + 2,
                     prompt=longest([r["prompt"] for r in pairs]) + 1,
                     response=longest([r[k] for r in pairs for k in ("chosen", "rejected")]) + 1),
-                regime=regime, regime_rule=REGIMES[regime], p_values=list(p_values), cap=cap,
-                pool_best=pool_best(files["pairs_train"]))
+                regime=regime, regime_rule=REGIMES[regime], p_values=list(p_values),
+                cap=CAP if regime == "capped" else None,
+                pool_best=pool_best(files["pairs_train"]),
+                # what only exploration can reach: the pool's responses (train and val) against
+                # the texts π_ref imitates; both shares of texts holding a top word
+                top_words=sorted(TOP_WORDS),
+                pool_top_word_rate=top_word_rate([r[k] for r in pairs
+                                                  for k in ("chosen", "rejected")]),
+                sft_top_word_rate=top_word_rate(files["sft_train"]))
     atomic_write_text(os.path.join(tmp, "task.json"), json.dumps(meta, indent=2) + "\n")
     old = f"{tmp}.old"
     if os.path.exists(out_dir):

@@ -942,7 +942,7 @@ def regimes(task, tmp_path_factory):
     """{regime: folder} for seed 0; the default is the module's `task`."""
     root = tmp_path_factory.mktemp("regimes")
     out = {"default": task}
-    for regime in ("capped", "shifted"):
+    for regime in ("capped", "unseen", "shifted"):
         out[regime] = tasks.ensure_task(str(root / regime), seed=0, regime=regime,
                                         log=lambda *a: None)
     return out
@@ -995,6 +995,78 @@ def test_capped_pool_holds_nothing_above_the_cap(regimes):
                 assert f.read() == open(os.path.join(capped, name), "rb").read(), name
 
 
+def test_unseen_pool_holds_no_top_word_while_pi_refs_texts_do(regimes):
+    default, unseen = regimes["default"], regimes["unseen"]
+    assert tasks.TOP_WORDS == {"great", "superb", "loved"}  # the words of weight 2.0
+    meta = task_meta(unseen)
+    assert (meta["regime"], meta["cap"], meta["top_words"]) == ("unseen", None,
+                                                               ["great", "loved", "superb"])
+    pool = responses(unseen) + responses(unseen, "pairs_val")
+    assert not any(tasks.has_top_word(y) for _, y in pool)  # the labels never show them
+    assert meta["pool_top_word_rate"] == 0 and all(text_ok(p + y) for p, y in pool)
+    assert all(pool[i] != pool[i + 1] for i in range(0, len(pool), 2))  # each pair's two differ
+    # in the default pool they appear: more than 1 response in 10 was redrawn
+    old = responses(default) + responses(default, "pairs_val")
+    rate = tasks.top_word_rate([y for _, y in old])
+    assert rate > 0.1 and rate == task_meta(default)["pool_top_word_rate"]
+    # the prompts keep theirs: the rule is on responses, and the prompts are the default's
+    assert [p for p, _ in pool] == [p for p, _ in old]
+    assert any(tasks.has_top_word(p) for p, _ in old)
+    # the texts, the prompts and the tokenizer are the default's, byte for byte: the same π_ref
+    for name in TASK_FILES:
+        if not name.startswith(("pairs", "task")):
+            with open(os.path.join(default, name), "rb") as f:
+                assert f.read() == open(os.path.join(unseen, name), "rb").read(), name
+    # and π_ref's texts hold top words at the generator's rate. Closed form: a sentence lacks them
+    # with probability q(p), its templates' mean of prod over slots (1 - p * top share), the share
+    # 2 of 8 positive adjectives and 1 of 3 positive verbs; a text of n sentences q(p)^n
+    q = lambda p: ((1 - p / 4) + (1 - p / 4) ** 2 + (1 - p / 3) + (1 - p / 4) + 1) / 5  # noqa: E731
+    p_n = {n: (tasks.P_STOP if n < tasks.MAX_SENTENCES else 1) * (1 - tasks.P_STOP) ** (n - 2)
+           for n in range(2, tasks.MAX_SENTENCES + 1)}
+    want = 1 - statistics.mean(sum(w * q(p) ** n for n, w in p_n.items()) for p in tasks.P_VALUES)
+    texts = data.read_texts(os.path.join(unseen, "sft_train.txt"))
+    got = tasks.top_word_rate(texts)
+    assert got == meta["sft_top_word_rate"] and round(want, 3) == 0.362
+    # 4 standard errors of a share of 20,000 texts: fails by chance with probability < 1e-4
+    assert abs(got - want) <= 4 * math.sqrt(want * (1 - want) / len(texts))
+
+
+def test_a_redraw_touches_only_the_responses_its_rule_rejects(regimes):
+    # unseen and capped redraw by rejection from a stream of their own: a response the rule keeps
+    # is the default's, byte for byte, in the same pair (a pair whose two it keeps is unchanged,
+    # label and all), and the other pairs come out as they would have without the redraws
+    rules = {"unseen": lambda p, y: tasks.has_top_word(y),
+             "capped": lambda p, y: tasks.true_reward(p, y) > tasks.CAP}
+    for regime, rejected in rules.items():
+        for split in ("pairs_train", "pairs_val"):
+            old = data.read_pairs(os.path.join(regimes["default"], f"{split}.jsonl"))
+            new = data.read_pairs(os.path.join(regimes[regime], f"{split}.jsonl"))
+            assert len(old) == len(new) and [o["prompt"] for o in old] == [n["prompt"] for n in new]
+            n_kept = n_same = 0
+            for o, n in zip(old, new):
+                kept = [o[k] for k in ("chosen", "rejected") if not rejected(o["prompt"], o[k])]
+                n_kept += len(kept)
+                assert set(kept) <= {n["chosen"], n["rejected"]}, (regime, o, n)
+                if len(kept) == 2:
+                    n_same += 1
+                    assert o == n, (regime, o, n)
+            assert n_kept > len(old) and n_same > len(old) / 4, regime
+
+
+def test_top_word_rate_by_hand():
+    # a share of texts holding at least one top word as a whole word, in any case: "greatly" and
+    # "lovedthe" are other words; several top words in one text count it once
+    texts = [" the movie is great .", " it felt greatly good .", " i lovedthe plot .",
+             "GREAT,superb!! i LOVED it", " we saw it on monday .", ""]
+    assert [tasks.has_top_word(t) for t in texts] == [True, False, False, True, False, False]
+    assert tasks.top_word_rate(texts) == 2 / 6
+    assert tasks.top_word_rate([" i loved the plot . it felt superb ."]) == 1.0
+    # the top words are those of the highest weight, and every other word of the reward is not
+    assert [w for w in tasks.WEIGHTS if tasks.has_top_word(w)] == ["great", "superb", "loved"]
+    with pytest.raises(SystemExit, match="'unseeen' is not a regime of the task"):
+        tasks.check_regime("unseeen")
+
+
 def test_shifted_generator_puts_pi_refs_mode_below_the_default(regimes):
     meta = task_meta(regimes["shifted"])
     assert (meta["regime"], meta["p_values"]) == ("shifted", list(tasks.SHIFTED_P_VALUES))
@@ -1037,7 +1109,7 @@ def test_regimes_deterministic_and_a_bad_regime_is_a_clear_error(regimes, tmp_pa
     with pytest.raises(ValueError, match="regime capped, not seed 0 and regime shifted"):
         tasks.ensure_task(again, seed=0, regime="shifted")
     says = ("error: --regime 'nope' is not a regime of the task: choose one of default, capped, "
-            "shifted")
+            "unseen, shifted")
     with pytest.raises(SystemExit, match=re.escape(says)):
         tasks.ensure_task(str(tmp_path / "nope"), regime="nope")
     assert not os.path.exists(tmp_path / "nope")

@@ -79,7 +79,7 @@ class Config:
     # task regimes (task.REGIMES), each a frontier of its own: its task beside --task (out/task:
     # out/task-capped, as task.task_dir), its π_ref (the default's when its texts are), r_φ, cache
     # and runs in out_dir/<regime>
-    regimes: str = "default"  # comma-separated, of default, capped, shifted
+    regimes: str = "default"  # comma-separated, of default, capped, unseen, shifted
     # training seeds, each setting once per seed: data order, sampling (π_ref, r_φ, cache shared).
     # Spaced apart: data.global_batch orders epoch e with seed + e, so seeds 1 apart share epochs
     seeds: str = "1337,2337,3337,4337"
@@ -142,8 +142,8 @@ def seed_list(cfg):
 def regimes(cfg):
     """Each regime's inputs: its task, π_ref, r_φ and reference cache, and the prefix of its runs'
     names (folders under out_dir). The default regime's are the flags'; another regime's task is
-    --task's name + -<regime>, and its π_ref the default's when its texts are (capped), else its
-    own (shifted: the generator differs)."""
+    --task's name + -<regime>, and its π_ref the default's when its texts are (capped, unseen),
+    else its own (shifted: the generator differs)."""
     out = []
     for r in [r.strip() for r in cfg.regimes.split(",") if r.strip()]:
         task.check_regime(r)

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import data
 import dpo
 import ppo
 import precompute
+import task as tasks  # the built-in task (as test_all.py names it)
 from model import GPT, GPTConfig, load_model
 from plumbing import init_distributed
 from study import compare, costs, eos, figure, gpu, results, tune
@@ -31,11 +33,25 @@ from test_all import dpo_cfg, dpo_weights, run_torchrun  # its fixtures come thr
 
 def test_compare_regimes_paths_and_a_bad_regime(tmp_path):
     cfg = compare.Config(out_dir=str(tmp_path / "cmp"), task=str(tmp_path / "task"),
-                         regimes="default,capped")
-    d, c = compare.regimes(cfg)
+                         sft=str(tmp_path / "sft/model.safetensors"),
+                         regimes="default,capped,unseen,shifted")
+    d, c, u, s = compare.regimes(cfg)
     assert (d["task"], d["sft"], d["prefix"]) == (cfg.task, cfg.sft, "")
     assert c["task"] == f"{cfg.task}-capped" and c["prefix"] == "capped/"
     assert c["reward_model"] == f"{cfg.out_dir}/capped/reward/model.safetensors"
+    assert u["task"] == f"{cfg.task}-unseen" and u["prefix"] == "unseen/"
+    # build_regime builds each task and keeps the default π_ref where the texts are the default's
+    # (unseen), not where the generator differs (shifted); the later stages, present, are not built
+    tasks.build_task(cfg.task, seed=0)
+    for path in [cfg.sft] + [p for R in (u, s) for p in (R["own_sft"], R["reward_model"],
+                                                        f"{R['ref_logps']}/train.safetensors")]:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").close()
+    said, one = [], SimpleNamespace(is_main=True, world=1, device="cpu")
+    for R in (u, s):
+        compare.build_regime(R, cfg, one, said.append)
+    assert (u["sft"], s["sft"]) == (cfg.sft, s["own_sft"])
+    assert len(said) == 2 and not [m for m in said if "missing" in m]
     with pytest.raises(SystemExit, match="not a regime"):
         compare.regimes(replace(cfg, regimes="default,greedy"))
     with pytest.raises(SystemExit, match="distinct"):
