@@ -94,8 +94,8 @@ def draw(points, out):
     ax.plot([ref["kl"]], [ref["reward"]], "ks", label="π_ref")
     ax.set_xlabel("KL(π‖π_ref), nats per completion")
     ax.set_ylabel("true reward (the task's hidden reward)")
-    ax.set_title("Test prompts: each configuration, mean ± s.e. over seeds; dashed: the envelope "
-                 "of those chosen on validation", fontsize=9)
+    ax.set_title("Test prompts, mean ± s.e. over seeds; dashed: the envelope of the "
+                 "configurations chosen on validation", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
