@@ -24,7 +24,7 @@ import precompute
 import task as tasks  # the built-in task (as test_all.py names it)
 from model import GPT, GPTConfig, load_model
 from plumbing import init_distributed
-from study import compare, costs, eos, figure, gpu, results, tune
+from study import compare, costs, envelope, eos, figure, gpu, results, tune
 from test_all import dpo_cfg, dpo_weights, run_torchrun  # its fixtures come through conftest.py
 
 # ==================================================================================================
@@ -135,6 +135,9 @@ def test_frontier_tables_select_on_validation_and_flag_by_hand():
     # J_β at 0.1: DPO's lr chosen on validation (1e-3: 2 − 0.1·2 = 1.8), not its better test one
     jb = compare.j_beta_markdown(rows, cfg)
     assert "| 0.1 | +1.80 [" in jb and "(lr 0.001)" in jb and "+4.80" not in jb
+    # DPO − PPO: 1.8 − (1.0 − 0.1·2 = 0.8) = +1.00, each side spread ±0.1 over its 2 seeds
+    welch = [f"{v:+.2f}" for v in envelope.welch_interval([1.7, 1.9], [0.7, 0.9])]
+    assert f"| +1.00 [{welch[1]}, {welch[2]}] |" in jb
 
 
 def test_a_run_recorded_before_a_field_existed_is_the_same_run_at_its_default():
