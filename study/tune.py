@@ -31,8 +31,9 @@ from checkpoint import atomic_write_json
 from plumbing import (atomic_write_text, check, fmt_duration, init_distributed, main_decides,
                       parse_config, teardown)
 from study import compare
-from study.compare import budget_rows, floats, mean_se, pm, seed_list, train_in_chunks
+from study.compare import budget_rows, seed_list, train_in_chunks
 from study.costs import table
+from study.tables import floats, mean_se, pm, write_csv
 from study.results import launcher, write_section
 
 
@@ -151,7 +152,7 @@ def main(cfg):
         rows += [dict(run=name, setting=setting_of(name), seed=c.seed, last=p is rec["points"][-1],
                       **p) for p in rec["points"]]
     if d.is_main:
-        compare.write_csv(f"{cfg.out_dir}/tune.csv", rows)
+        write_csv(f"{cfg.out_dir}/tune.csv", rows)
         md = markdown(rows, cfg, walls)
         atomic_write_text(f"{cfg.out_dir}/tune.md", f"# Tuning, measured\n\nProduced by "
                           f"`python {compare.command(cfg, '-m study.tune')}`.\n\n"

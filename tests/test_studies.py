@@ -24,7 +24,7 @@ import precompute
 import task as tasks  # the built-in task (as test_all.py names it)
 from model import GPT, GPTConfig, load_model
 from plumbing import init_distributed
-from study import compare, costs, envelope, eos, figure, gpu, results, tune
+from study import compare, costs, envelope, eos, figure, gpu, results, tables, tune
 from test_all import dpo_cfg, dpo_weights, run_torchrun  # its fixtures come through conftest.py
 
 # ==================================================================================================
@@ -86,11 +86,11 @@ def test_tune_varies_one_factor_at_a_time_at_one_budget_in_rollouts(tmp_path):
 
 
 def test_mean_and_standard_error_across_seeds_by_hand():
-    m, se = compare.mean_se([1.0, 2.0, 3.0, 6.0])
+    m, se = tables.mean_se([1.0, 2.0, 3.0, 6.0])
     # mean 3; sample variance (4 + 1 + 0 + 9) / 3 = 14/3; s.e. = √(14/3 / 4) = √(7/6)
     assert m == 3.0 and se == pytest.approx(math.sqrt(7 / 6), rel=1e-12)
-    assert compare.mean_se([0.5])[0] == 0.5 and math.isnan(compare.mean_se([0.5])[1])
-    assert compare.mean_se([1.0, None]) == (None, None)  # an eval.json without the field
+    assert tables.mean_se([0.5])[0] == 0.5 and math.isnan(tables.mean_se([0.5])[1])
+    assert tables.mean_se([1.0, None]) == (None, None)  # an eval.json without the field
 
 
 def frontier_row(method, config, seed, kl, reward, val_reward, check=None, eos=1.0, val_kl=None):
@@ -121,7 +121,7 @@ def test_frontier_tables_select_on_validation_and_flag_by_hand():
                  frontier_row("PPO", (1.0, 1e-4), seed, 0.5, 2.5 + e, 2.5 + e,
                               check=1.5 + e + 0.02 * seed)]
     cfg = compare.Config(match_kls="1,2", check_at=0.75)
-    md = compare.frontier_markdown(rows, cfg)
+    md = tables.frontier_markdown(rows, cfg)
     line = lambda key: next(x for x in md.splitlines() if key in x)  # noqa: E731
     assert line("| DPO | β 0.1, lr 0.001 |").split("|")[-3].strip() == "✓"
     assert line("| DPO | β 0.1, lr 0.0003 |").split("|")[-3].strip() == ""
@@ -130,10 +130,10 @@ def test_frontier_tables_select_on_validation_and_flag_by_hand():
     assert "| – |" in line("KL coef 0.1, lr 0.0001")  # neither flag
     # matched KL: DPO's envelope runs from π_ref (0, 0) to its chosen (2, 2): at 1 nat +1, at 2
     # +2; PPO's, its flagged settings left out, from (0, 0) to (2, 1): +0.5 and +1
-    mk = compare.matched_kl_markdown(rows, cfg)
+    mk = tables.matched_kl_markdown(rows, cfg)
     assert "| 1 | +1.000 | +0.500 | +0.50 [" in mk and "| 2 | +2.000 | +1.000 | +1.00 [" in mk
     # J_β at 0.1: DPO's lr chosen on validation (1e-3: 2 − 0.1·2 = 1.8), not its better test one
-    jb = compare.j_beta_markdown(rows, cfg)
+    jb = tables.j_beta_markdown(rows, cfg)
     assert "| 0.1 | +1.80 [" in jb and "(lr 0.001)" in jb and "+4.80" not in jb
     # DPO − PPO: 1.8 − (1.0 − 0.1·2 = 0.8) = +1.00, each side spread ±0.1 over its 2 seeds
     welch = [f"{v:+.2f}" for v in envelope.welch_interval([1.7, 1.9], [0.7, 0.9])]
@@ -221,7 +221,7 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     md = (root / "out" / "frontier.md").read_text()
     # each setting's row: the mean over its two seeds ± the standard error across them
     for i in (1, 3):
-        m, se = compare.mean_se([float(rows[j]["true_reward"]) for j in (i, i + 1)])
+        m, se = tables.mean_se([float(rows[j]["true_reward"]) for j in (i, i + 1)])
         assert f"{m:+.3f} ± {se:.3f}" in md
     # each curve: step 0 is π_ref, its last point the first seed's eval.json (ppo.py's and dpo.py's)
     with open(root / "out" / "curves.csv") as f:
