@@ -1,6 +1,6 @@
 """PPO and DPO side by side: what leaves the cluster when DPO replaces PPO, in measured numbers.
 
-    python -m study.compare                 # the settings the full study chose, 3 seeds, costs
+    python -m study.compare                 # the full study's choices, 3 seeds, costs: 11 min
     torchrun --nproc_per_node=8 -m study.compare   # the same, every run on 8 ranks (plain DDP)
     python -m study.compare --betas 0.1,0.3,1,2 --dpo_lrs 3e-4,1e-3 --nll_betas 1,2 \
         --kl_coefs 0.01,0.03,0.1,0.3 --true_kl_coefs 0.1 --online_betas 0.1 \
