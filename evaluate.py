@@ -51,6 +51,18 @@ def completion_logps(model, out):
     return sequence_logprobs(model, out["tokens"], targets, mask=out["mask"]).sum(-1)
 
 
+def score_completions(out, prompts, tok, hidden, missing_eos_score):
+    """The one scoring rule of every evaluation, for generate()'s output `out` on `prompts`:
+    (texts, ended (B,) bool, true reward r (B,), score (B,)). score is r where the completion
+    emitted EOS, else missing_eos_score (PPO's rule, for every model); r is 0 when the prompts are
+    not the task's (hidden False: its reward means nothing there)."""
+    ended = ((out["tokens"] == tok.eos) & out["response_mask"]).any(1).cpu()
+    texts = [tok.decode(t[m].tolist()) for t, m in zip(out["tokens"], out["response_mask"])]
+    r = torch.tensor([task.true_reward(p, y) if hidden else 0.0 for p, y in zip(prompts, texts)],
+                     dtype=torch.float64)
+    return texts, ended, r, torch.where(ended, r, missing_eos_score)
+
+
 @torch.no_grad()
 def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_samples=3,
                     missing_eos_score=MISSING_EOS_SCORE, pool_best=None):
@@ -84,11 +96,8 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
                                        - completion_logps(ref, outs[0])).double().sum()}
             sides = []
             for side, o in zip(("", "ref_"), outs):
-                ended = ((o["tokens"] == tok.eos) & o["response_mask"]).any(1).cpu()
-                texts = [tok.decode(t[r].tolist()) for t, r in zip(o["tokens"], o["response_mask"])]
-                r = torch.tensor([task.true_reward(p, y) if hidden else 0.0
-                                  for (p, _), y in zip(chunk, texts)], dtype=torch.float64)
-                score = torch.where(ended, r, missing_eos_score)  # PPO's rule, for every model
+                texts, ended, r, score = score_completions(o, [p for p, _ in chunk], tok, hidden,
+                                                           missing_eos_score)
                 new |= {side + "eos": ended.sum(), side + "len": o["response_mask"].sum(),
                         side + "score": score.sum(), side + "score2": (score * score).sum(),
                         side + "finished": torch.where(ended, r, 0.0).sum(),
@@ -175,12 +184,8 @@ def evaluate_mixture(policies, weights, ref, tok, prompts, d, k=4, batch_size=64
                          temperature=1.0, uniforms=U[j].to(d.device))
             logps = torch.stack([completion_logps(m, o).double() for m in policies])  # (P, B)
             kl = mixture_logp(logps, weights) - completion_logps(ref, o).double()
-            ended = ((o["tokens"] == tok.eos) & o["response_mask"]).any(1).cpu()
-            r = torch.tensor([task.true_reward(rows[a][0], tok.decode(t[m].tolist()))
-                              if hidden else 0.0
-                              for a, t, m in zip(j, o["tokens"], o["response_mask"])],
-                             dtype=torch.float64)
-            score = torch.where(ended, r, missing_eos_score)  # evaluate_policy's rule
+            score = score_completions(o, [rows[a][0] for a in j], tok, hidden,
+                                      missing_eos_score)[3]
             for key, v in (("n", len(j)), ("kl", kl.sum()), ("kl2", (kl * kl).sum()),
                            ("score", score.sum()), ("score2", (score * score).sum())):
                 sums[key] += v
