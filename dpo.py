@@ -201,7 +201,7 @@ def setup(cfg, d, log):
     tok_path = tokenizer_beside(cfg.ref_model)
     require_task({cfg.train_pairs: Config.train_pairs, cfg.val_pairs: Config.val_pairs,
                   cfg.test_prompts: Config.test_prompts,
-                  **({cfg.val_prompts: Config.val_prompts} if cfg.val_prompts else {})}, d, log)
+                  cfg.val_prompts: Config.val_prompts}, d, log)
     tok = data.load_tokenizer(tok_path)
     train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
                                        cfg.max_prompt_len)

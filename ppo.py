@@ -295,7 +295,7 @@ def setup(cfg, d, log):
     require_stage(cfg.reward_model, Config.reward_model, lambda: reward.main(reward.Config()),
                   "python reward.py", d, log)
     require_task({cfg.prompts: Config.prompts, cfg.test_prompts: Config.test_prompts,
-                  **({cfg.val_prompts: Config.val_prompts} if cfg.val_prompts else {})}, d, log)
+                  cfg.val_prompts: Config.val_prompts}, d, log)
     tok_path = tokenizer_beside(cfg.sft, "--sft")
     tok = data.load_tokenizer(tok_path)
     require_same_tokenizer(cfg.reward_model, "--reward_model", tok_path)  # the critic's start too

@@ -305,13 +305,15 @@ def ensure_task(out_dir="out/task", seed=0, log=print, regime="default"):
 
 def require_task(paths, d, log):
     """plumbing.require_stage for inputs the built-in task writes: paths {path: its default}. With
-    a default path, a missing file builds the whole task (rank 0 writes it, the others wait)."""
+    a default path, a missing file builds the whole task (rank 0 writes it, the others wait). An
+    optional input (its default "") left empty is not required."""
     def build():
         if d.is_main:
             ensure_task()
         barrier(d)
     for path, default in paths.items():
-        require_stage(path, default, build, "python task.py", d, log)
+        if path or default:
+            require_stage(path, default, build, "python task.py", d, log)
 
 
 def task_prompts(prompts):

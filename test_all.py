@@ -813,6 +813,17 @@ def test_tokenizer_round_trip_and_specials(tmp_path):
     with pytest.raises(SystemExit, match="garbage.json: not a tokenizer.json"):
         data.load_tokenizer(str(tmp_path / "garbage.json"))
 
+def test_require_task_skips_an_optional_input_left_empty_and_names_a_missing_one(tmp_path):
+    d, said = init_distributed(), []
+    tasks.require_task({"": ""}, d, said.append)  # --val_prompts "": nothing built, nothing said
+    assert said == []
+    with pytest.raises(SystemExit, match="does not exist"):  # --test_prompts "" is no such file
+        tasks.require_task({"": "out/task/prompts_test.jsonl"}, d, said.append)
+    with pytest.raises(SystemExit, match="nope.jsonl does not exist"):
+        tasks.require_task({str(tmp_path / "nope.jsonl"): ""}, d, said.append)
+    assert said == []
+
+
 def test_build_task_deterministic_and_schema(task, tmp_path):
     again = str(tmp_path / "again")
     tasks.build_task(again, seed=0)
