@@ -101,6 +101,7 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
                 new |= {side + "eos": ended.sum(), side + "len": o["response_mask"].sum(),
                         side + "score": score.sum(), side + "score2": (score * score).sum(),
                         side + "finished": torch.where(ended, r, 0.0).sum(),
+                        side + "top": float(sum(map(task.has_top_word, texts))),
                         **({side + "beyond": (score > pool_best).sum()} if pool_best is not None
                            else {})}
                 sides.append((texts, ended, score))
@@ -128,7 +129,9 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
         res |= {"true_reward": s["score"] / n, "true_reward_std": std(""),
                 "ref_true_reward": s["ref_score"] / n, "ref_true_reward_std": std("ref_"),
                 "win_rate": s["wins"] / n, "true_reward_finished": finished(""),
-                "ref_true_reward_finished": finished("ref_")}
+                "ref_true_reward_finished": finished("ref_"),
+                # how often the task's best words appear: what an exploring policy raises
+                "top_word_rate": s["top"] / n, "ref_top_word_rate": s["ref_top"] / n}
         if pool_best is not None:
             res |= {"pool_best": pool_best, "beyond_pool": s["beyond"] / n,
                     "ref_beyond_pool": s["ref_beyond"] / n}

@@ -312,12 +312,12 @@ def curve_rows(name, stage, c, ref_ev, points):
 
 
 EV_FIELDS = ("kl", "true_reward", "win_rate", "eos_rate", "response_len", "true_reward_finished",
-             "beyond_pool")
+             "beyond_pool", "top_word_rate")
 
 
 def ev_fields(ev):
-    """The evaluation's numbers a table shows. eos_rate, response_len, true_reward_finished and
-    beyond_pool are None where an older evaluate.py did not write them."""
+    """The evaluation's numbers a table shows. eos_rate, response_len, true_reward_finished,
+    beyond_pool and top_word_rate are None where an older evaluate.py did not write them."""
     return {**{k: ev.get(k) for k in EV_FIELDS},
             "true_reward_se": ev["true_reward_std"] / ev["n_completions"] ** 0.5,  # sampling only
             "n_completions": ev["n_completions"], "pool_best": ev.get("pool_best"),
