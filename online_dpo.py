@@ -44,7 +44,7 @@ from model import freeze, generate, load_model, pair_logps, score_at_last
 from plumbing import (Logger, SEED_STRIDE, adamw, autocast, barrier, broadcast_weights, check,
                       init_distributed, lr_at, parse_config, precision, reduce_sums, require_stage,
                       set_lr, sharded, split_batch, sync_grads, teardown, wrap)
-from task import require_task, true_reward
+from task import bradley_terry, require_task, true_reward
 
 # ==== config
 
@@ -92,13 +92,13 @@ def label_pairs(score_a, score_b):
 
 
 def bradley_terry_labels(score_a, score_b, u, same):
-    """The labeller of the built-in task's offline pairs (task.sample_pair), on fresh pairs: a is
-    chosen with probability σ(r(a) - r(b)), the Bradley-Terry model (Bradley & Terry 1952; Eq. 1 of
-    Rafailov et al. 2023), drawn as u < σ(r(a) - r(b)) with u ~ U(0, 1). Scores, uniforms (B,)
-    float; same (B,) bool, the two completions identical -> (a_chosen (B,) bool, tied (B,) bool).
-    Equal scores are a coin flip, as Bradley-Terry says and as the offline pool labels them; only
+    """The labeller of the built-in task's offline pairs, task.bradley_terry, on fresh pairs: a is
+    chosen with probability σ(r(a) - r(b)), drawn with the uniform u. Scores, uniforms (B,) float;
+    same (B,) bool, the two completions identical -> (a_chosen (B,) bool, tied (B,) bool). Equal
+    scores are a coin flip, as Bradley-Terry says and as the offline pool labels them; only
     identical completions carry no preference, so only they tie (weight 0 in the loss)."""
-    return u < torch.sigmoid(score_a - score_b), same
+    a_chosen = [bradley_terry(*v) for v in zip(u.tolist(), score_a.tolist(), score_b.tolist())]
+    return torch.tensor(a_chosen, dtype=torch.bool, device=score_a.device), same
 
 
 # ==== helpers the loop calls: dpo_loss from dpo.py, pair_logps from model.py

@@ -100,9 +100,16 @@ def sample_pair(rng, p_values=P_VALUES, reject=None, redraw=None):
             a = " " + " ".join(_sentences(redraw, p, k))
         while reject(prompt, b) or b == a:
             b = " " + " ".join(_sentences(redraw, p, k))
-    if u >= 1 / (1 + math.exp(true_reward(prompt, b) - true_reward(prompt, a))):
+    if not bradley_terry(u, true_reward(prompt, a), true_reward(prompt, b)):
         a, b = b, a
     return dict(prompt=prompt, chosen=a, rejected=b)
+
+def bradley_terry(u, r_a, r_b):
+    """The labeller of every arm that is labelled by the hidden reward (the offline pool here,
+    online and iterative DPO's --reward oracle): is a preferred to b? Yes with probability
+    σ(r_a - r_b), the Bradley-Terry model (Bradley & Terry 1952; Eq. 1 of Rafailov et al. 2023),
+    drawn as u < σ(r_a - r_b) for a uniform u in [0, 1). Equal rewards are a coin flip."""
+    return u < 1 / (1 + math.exp(r_b - r_a))
 
 def _words(text):
     """The words the hidden reward reads: runs of letters, lower-cased ("greatly" is one word)."""
