@@ -33,8 +33,9 @@ import torch.nn.functional as F
 import data
 import precompute
 import sft
-from checkpoint import (check_step, input_fingerprint, load_ref_logps, prepare_outputs, resume,
-                        save_checkpoint, save_outputs, tokenizer_beside)
+from checkpoint import (check_step, input_fingerprint, load_ref_logps, prepare_outputs,
+                        require_same_tokenizer, resume, save_checkpoint, save_outputs,
+                        tokenizer_beside)
 from evaluate import evaluate_held_out, print_samples, summary
 from meter import Meter, anatomy, batch_flops, format_anatomy, matmul_shapes, measure_peak_flops
 from model import IGNORE, freeze, load_model, pair_logps
@@ -50,6 +51,7 @@ from task import require_task
 class Config:
     out_dir: str = "out/dpo"  # this stage's folder: policy, tokenizer, metrics, eval, checkpoint
     ref_model: str = "out/sft/model.safetensors"  # π_ref, where the policy starts; built if missing
+    init: str = ""  # start the policy here instead ("": π_ref); iterative DPO's later rounds do
     train_pairs: str = "out/task/pairs_train.jsonl"  # JSONL {"prompt","chosen","rejected"}
     val_pairs: str = "out/task/pairs_val.jsonl"  # held-out pairs for the val loss and accuracy
     test_prompts: str = "out/task/prompts_test.jsonl"  # held-out prompts: true reward and KL
@@ -202,6 +204,9 @@ def setup(cfg, d, log):
     require_task({cfg.train_pairs: Config.train_pairs, cfg.val_pairs: Config.val_pairs,
                   cfg.test_prompts: Config.test_prompts,
                   cfg.val_prompts: Config.val_prompts}, d, log)
+    if cfg.init:  # a policy of this π_ref's tokenizer (written beside it by dpo.py)
+        check(os.path.exists(cfg.init), f"--init {cfg.init} does not exist")
+        require_same_tokenizer(cfg.init, "--init", tok_path)
     tok = data.load_tokenizer(tok_path)
     train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
                                        cfg.max_prompt_len)
@@ -219,7 +224,7 @@ def setup(cfg, d, log):
           f"identical once cut to --max_len {cfg.max_len} tokens")
     # what the weights are trained from (the reference cache is checked against the same files)
     inputs = input_fingerprint({"--ref_model": cfg.ref_model, "tokenizer": tok_path,
-                                "--train_pairs": cfg.train_pairs}, train)
+                                "--train_pairs": cfg.train_pairs, "--init": cfg.init}, train)
     ref_logps = (None, None)
     if cfg.ref == "cache":  # the reference's only trace in this job: two fp32 numbers per pair
         # with --ref_logps at its default, the cache (the built-in task's, or your pairs' own) is
@@ -238,12 +243,12 @@ def setup(cfg, d, log):
 
 
 def load_models(cfg, d):
-    """The policy starts as π_ref (Sec. 4: π_θ = π_ref at step 0). Eval mode for good: no dropout
-    (as TRL's disable_dropout), so log π is deterministic, equals log π_ref exactly at step 0, and
-    the cached and the live reference see the same function. With --ref live, what precompute
-    removes: a second, frozen copy run forward every step (sharded too with --fsdp). The policy
-    trains under DDP (--fsdp: sharded in place), then torch.compile."""
-    policy = load_model(cfg.ref_model, d.device)[0].eval()
+    """The policy starts as π_ref (Sec. 4: π_θ = π_ref at step 0), or at --init. Eval mode for
+    good: no dropout (as TRL's disable_dropout), so log π is deterministic, equals log π_ref
+    exactly at step 0, and the cached and the live reference see the same function. With --ref
+    live, what precompute removes: a second, frozen copy run forward every step (sharded too with
+    --fsdp). The policy trains under DDP (--fsdp: sharded in place), then torch.compile."""
+    policy = load_model(cfg.init or cfg.ref_model, d.device)[0].eval()
     check(cfg.max_len <= policy.config.block_size,
           f"--max_len {cfg.max_len} > block_size {policy.config.block_size}")
     ref = None
