@@ -41,6 +41,7 @@ import torch
 
 import data
 import dpo
+import iterative_dpo
 import online_dpo
 import ppo
 import precompute
@@ -76,8 +77,14 @@ class Config:
     kl_coefs: str = "0.1,0.3"  # PPO runs with r_φ: one per KL coefficient × --ppo_lrs
     ppo_lrs: str = "1e-4"  # PPO's peak learning rates
     true_kl_coefs: str = ""  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
-    online_betas: str = ""  # online DPO runs (r_φ labels): one per β ("" = none)
+    online_betas: str = ""  # online DPO runs: one per β × --online_rewards ("" = none)
+    online_rewards: str = "model"  # their labellers: model (r_φ's argmax), oracle (task's BT draws)
     online_lr: float = online_dpo.Config.lr  # online DPO's peak learning rate
+    online_batch: int = online_dpo.Config.rollout_batch  # its pairs sampled and labelled per round
+    # iterative DPO runs (iterative_dpo.py: oracle labels, --iterative_rounds rounds that split the
+    # pool's size in pairs and --dpo_steps in steps): one per β × --dpo_lrs ("" = none)
+    iterative_betas: str = ""
+    iterative_rounds: int = iterative_dpo.Config.rounds
     # task regimes (task.REGIMES), each a frontier of its own: its task beside --task (out/task:
     # out/task-capped, as task.task_dir), its π_ref (the default's when its texts are), r_φ, cache
     # and runs in out_dir/<regime>
@@ -184,11 +191,27 @@ def sweep(cfg, R):
         steps=cfg.dpo_steps, lr=lr, seed=s, **held_out))
         for b, a in dpos for lr in floats(cfg.dpo_lrs) for s in seeds
         for n in [f"dpo-{f'nll{a:g}-' if a else ''}beta{b:g}-lr{lr:g}-seed{s}"]]
-    runs += [(f"{p}online-beta{b:g}-seed{s}", online_dpo, online_dpo.Config(
-        out_dir=o(f"online-beta{b:g}-seed{s}"), sft=R["sft"], reward_model=R["reward_model"],
-        prompts=t("prompts_train.jsonl"), beta=b, iterations=cfg.online_iterations,
-        lr=cfg.online_lr, seed=s, **held_out))
-        for b in floats(cfg.online_betas) for s in seeds]
+    for rw in [w.strip() for w in cfg.online_rewards.split(",") if w.strip()]:
+        check(rw in ("model", "oracle", "true"), f"--online_rewards {cfg.online_rewards!r}: "
+              "each is model, oracle or true")
+        tag = "online" + ("" if rw == "model" else f"-{rw}") + (
+            "" if cfg.online_batch == online_dpo.Config.rollout_batch
+            else f"-batch{cfg.online_batch}")
+        runs += [(f"{p}{n}", online_dpo, online_dpo.Config(
+            out_dir=o(n), sft=R["sft"], reward_model=R["reward_model"],
+            prompts=t("prompts_train.jsonl"), reward=rw, beta=b, iterations=cfg.online_iterations,
+            rollout_batch=cfg.online_batch, lr=cfg.online_lr, seed=s, **held_out))
+            for b in floats(cfg.online_betas) for s in seeds for n in [f"{tag}-beta{b:g}-seed{s}"]]
+    if floats(cfg.iterative_betas):  # the label and step budgets: the pool's, split in rounds
+        n_pool, k = len(data.read_pairs(t("pairs_train.jsonl"))), cfg.iterative_rounds
+        check(cfg.dpo_steps % k == 0, f"--dpo_steps {cfg.dpo_steps} is not divisible by "
+              f"--iterative_rounds {k}: each round gets the same share of the steps")
+        runs += [(f"{p}{n}", iterative_dpo, iterative_dpo.Config(
+            out_dir=o(n), sft=R["sft"], prompts=t("prompts_train.jsonl"),
+            val_pairs=t("pairs_val.jsonl"), rounds=k, pairs=n_pool // k,
+            steps=cfg.dpo_steps // k, beta=b, lr=lr, seed=s, **held_out))
+            for b in floats(cfg.iterative_betas) for lr in floats(cfg.dpo_lrs) for s in seeds
+            for n in [f"iterative-beta{b:g}-lr{lr:g}-seed{s}"]]
     for rw, coefs, tag in (("model", cfg.kl_coefs, "ppo"), ("true", cfg.true_kl_coefs, "ppo-true")):
         runs += [(f"{p}{n}", ppo, ppo.Config(
             out_dir=o(n), sft=R["sft"], reward_model=R["reward_model"],
@@ -199,9 +222,13 @@ def sweep(cfg, R):
     return runs
 
 
+ONLINE = {"model": "online DPO", "oracle": "online DPO (oracle)", "true": "online DPO (argmax)"}
+
+
 def method_of(stage, c):
     return "π_ref" if stage is None else ("DPO+NLL" if c.rpo_alpha else "DPO") if stage is dpo \
-        else "online DPO" if stage is online_dpo else "PPO" if c.reward == "model" else "PPO-GT"
+        else "iterative DPO" if stage is iterative_dpo else ONLINE[c.reward] \
+        if stage is online_dpo else "PPO" if c.reward == "model" else "PPO-GT"
 
 
 def is_curve(cfg, stage, c):
@@ -376,8 +403,10 @@ def frontier(cfg, Rs, d, say):
         resume = main_decides(same, d)
         what = ("π_ref against itself" if stage is None else
                 f"dpo.main, β {c.beta:g}, {c.steps} steps, seed {c.seed}" if stage is dpo else
-                f"online_dpo.main, β {c.beta:g}, {c.iterations} rounds, seed {c.seed}"
-                if stage is online_dpo else
+                f"online_dpo.main, {c.reward} labels, β {c.beta:g}, {c.iterations} rounds of "
+                f"{c.rollout_batch} pairs, seed {c.seed}" if stage is online_dpo else
+                f"iterative_dpo.main, β {c.beta:g}, {c.rounds} rounds of {c.pairs} pairs and "
+                f"{c.steps} steps, seed {c.seed}" if stage is iterative_dpo else
                 f"ppo.main, {'r_φ' if uses_rm else 'the true reward'}, KL coef {c.kl_coef:g}, "
                 f"{c.iterations} iterations, seed {c.seed}")
         what += f", in {cfg.curve_points} chunks (learning curve)" if curve else ""
@@ -390,6 +419,8 @@ def frontier(cfg, Rs, d, say):
         t1 = time.time()
         if stage is None:
             evaluate_reference(R, cfg, d)
+        elif stage is iterative_dpo:  # resumes by round; no checkpoint for the budget rule
+            stage.main(replace(c, resume=resume))
         else:  # the budget rule's checkpoint, scored on the validation prompts
             check_step = max(1, round(cfg.check_at * (c.steps if stage is dpo else c.iterations)))
             train_in_chunks(stage, c, cfg.curve_points if curve else 1, d, resume, test=curve,
@@ -406,10 +437,11 @@ def frontier(cfg, Rs, d, say):
     read = lambda name, f: json.loads(Path(cfg.out_dir, name, f).read_text())  # noqa: E731
     for name, stage, c, R in todo if d.is_main else ():
         ev, run = read(name, "eval.json"), read(name, "run.json")
-        check_point = next((p["val"] for p in (read(name, "curve.json") if stage else [])
+        check_point = next((p["val"] for p in (read(name, "curve.json")
+                                               if stage not in (None, iterative_dpo) else [])
                             if "val" in p), {})
         rows.append(dict(run=name, regime=R["regime"], method=method_of(stage, c),
-                         beta=c.beta if stage in (dpo, online_dpo) else "",
+                         beta=c.beta if stage in (dpo, online_dpo, iterative_dpo) else "",
                          kl_coef=c.kl_coef if stage is ppo else "",
                          lr=c.lr if stage else "", seed=c.seed if stage else "", **ev_fields(ev),
                          **{f"val_{k}": ev["val"].get(k)
