@@ -466,14 +466,9 @@ def section_name(cfg, part):
     return f"{cfg.section}_{part}"
 
 
-def main(cfg):
-    d = init_distributed()
-    say = lambda *a: print(*a, flush=True) if d.is_main else None  # noqa: E731  rank 0 speaks
-    check(cfg.time_steps >= 2,
-          "--time_steps must be >= 2: the first step of a timed run warms up and is dropped")
-    t0, t = time.time(), lambda f: os.path.join(cfg.task, f)
-    Rs = regimes(cfg)
-    # the earlier stages, shared by every run: built once, with their defaults, when missing
+def prerequisites(cfg, d, say):
+    """The earlier stages, shared by every run: built once, with their defaults, when missing."""
+    t = lambda f: os.path.join(cfg.task, f)  # noqa: E731
     require_task({t(f): os.path.join(Config.task, f) for f in (
         "pairs_train.jsonl", "pairs_val.jsonl", "prompts_train.jsonl", "prompts_val.jsonl",
         "prompts_test.jsonl")},
@@ -488,6 +483,15 @@ def main(cfg):
         require_stage(f"{cfg.ref_logps}/{split}.safetensors",
                       f"{Config.ref_logps}/{split}.safetensors", lambda: precompute.main(pc),
                       precompute.command(pc), d, say)
+
+
+def main(cfg):
+    d = init_distributed()
+    say = lambda *a: print(*a, flush=True) if d.is_main else None  # noqa: E731  rank 0 speaks
+    check(cfg.time_steps >= 2,
+          "--time_steps must be >= 2: the first step of a timed run warms up and is dropped")
+    t0, Rs = time.time(), regimes(cfg)
+    prerequisites(cfg, d, say)
     os.makedirs(cfg.out_dir, exist_ok=True)
     sections = {}  # RESULTS.md's: the tables this command made (not an earlier run's in out_dir)
     if cfg.frontier:
