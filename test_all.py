@@ -52,6 +52,7 @@ import checkpoint
 import data
 import dpo
 import evaluate
+import iterative_dpo
 import meter
 import online_dpo
 import plumbing
@@ -3185,6 +3186,97 @@ def test_online_dpo_refuses_an_unknown_labeller(tmp_path):
                        cwd=tmp_path)
     assert p.returncode != 0 and not out.exists(), p.stderr
     assert p.stderr.strip() == "error: --reward must be 'model', 'true' or 'oracle', not 'bt'"
+
+
+# ==================================================================================================
+# iterative DPO: each round's cache equals a live reference on its pairs, the rounds chain their
+# policies, two ranks sample what one process samples (iterative_dpo.py, dpo.py --init)
+# ==================================================================================================
+
+def iterative_cfg(tiny, name, **kw):
+    base = dict(out_dir=str(tiny.root / name), sft=f"{tiny.sft}/model.safetensors",
+                prompts=f"{tiny.task}/prompts_train.jsonl",
+                val_pairs=str(tiny.root / "dpo-data/pairs_val.jsonl"),
+                test_prompts=str(tiny.root / "dpo-data/prompts_test.jsonl"),
+                rounds=2, pairs=32, steps=2, batch_size=16, micro_batch_size=16, eval_k=1,
+                beta=0.1)
+    return iterative_dpo.Config(**{**base, **kw})
+
+
+def test_dpo_init_starts_the_policy_at_the_given_weights(tiny, dpo_cache):  # noqa: F811
+    # at π_ref every step-1 margin is 0 (test_step_zero_policy_equals_reference); --init at a
+    # trained policy A starts there, so the same first batch shows A's nonzero margins, and
+    # --init at π_ref's own file is the run without --init
+    a = dpo_cfg(tiny, "dpo-init-trained", steps=3, lr=1e-2)
+    dpo.main(a)
+    runs = {}
+    for name, init in (("none", ""), ("ref", f"{tiny.sft}/model.safetensors"),
+                       ("a", f"{a.out_dir}/model.safetensors")):
+        runs[name] = dpo_cfg(tiny, f"dpo-init-{name}", init=init, steps=1)
+        dpo.main(runs[name])
+    m = {k: dpo_metrics(c.out_dir)[0] for k, c in runs.items()}
+    assert m["none"]["rewards/margins"] == m["ref"]["rewards/margins"] == 0.0
+    assert m["none"]["loss"] == m["ref"]["loss"]
+    assert abs(m["a"]["rewards/margins"]) > 1e-3 and m["a"]["loss"] != m["none"]["loss"]
+    with pytest.raises(SystemExit, match="--init .* does not exist"):
+        dpo.main(replace(runs["a"], out_dir=str(tiny.root / "dpo-init-c"),
+                         init="/nonexistent.safetensors"))
+
+
+def test_iterative_rounds_cache_equals_live_and_chain_their_policies(tiny, dpo_cache):  # noqa
+    cfg = iterative_cfg(tiny, "iterative-test")
+    iterative_dpo.main(cfg)
+    prompts = set(data.read_prompts(cfg.prompts))
+    for r in range(cfg.rounds):
+        folder, pairs_path, pc, dc = iterative_dpo.round_configs(cfg, r)
+        pairs = data.read_pairs(pairs_path)
+        # the round's budget in labels, every pair one of the task's prompts, two distinct texts
+        assert len(pairs) == cfg.pairs
+        assert all(p["prompt"] in prompts and p["chosen"].strip() != p["rejected"].strip()
+                   and p["chosen"].strip() and p["rejected"].strip() for p in pairs)
+        # its policy starts where the last round's ended; π_ref stays the reference
+        assert dc.init == ("" if r == 0 else os.path.join(
+            cfg.out_dir, f"round{r}", "dpo", "model.safetensors")) and dc.ref_model == cfg.sft
+        # cached equals live: the same round trained against a live π_ref on the same pairs
+        live = replace(dc, out_dir=f"{folder}/dpo-live", ref="live")
+        dpo.main(live)
+        a, b = dpo_metrics(dc.out_dir), dpo_metrics(live.out_dir)
+        assert len(a) == len(b) == cfg.steps
+        for k in ("loss", "rewards/margins", "grad_norm", "val_loss"):
+            assert all(abs(x[k] - y[k]) <= DPO_TOL for x, y in zip(a, b) if k in x), k
+    r2 = dpo_metrics(iterative_dpo.round_configs(cfg, 1)[3].out_dir)[0]
+    assert abs(r2["rewards/margins"]) > 0  # round 2 starts off π_ref: round 1's policy
+    ev = json.load(open(f"{cfg.out_dir}/eval.json"))
+    assert (ev["labels"], ev["steps"], len(ev["rounds"])) == (64, 4, 2)
+    assert dpo_weights(cfg.out_dir).keys() == dpo_weights(
+        iterative_dpo.round_configs(cfg, 1)[3].out_dir).keys()
+    assert all(torch.equal(x, y) for x, y in zip(
+        dpo_weights(cfg.out_dir).values(),
+        dpo_weights(iterative_dpo.round_configs(cfg, 1)[3].out_dir).values()))
+    # a rerun with the same config skips both rounds (rounds.json)
+    before = open(f"{cfg.out_dir}/round2/pairs.jsonl").read()
+    iterative_dpo.main(cfg)
+    assert open(f"{cfg.out_dir}/round2/pairs.jsonl").read() == before
+
+
+def test_iterative_two_ranks_sample_and_label_what_one_process_does(tiny, dpo_cache):  # noqa
+    one = iterative_cfg(tiny, "iterative-one", rounds=1)
+    iterative_dpo.main(one)
+    two = replace(one, out_dir=str(tiny.root / "iterative-two"))
+    args = [a for k, v in asdict(two).items() if not isinstance(v, bool)
+            for a in (f"--{k}", str(v))]
+    run_torchrun("iterative_dpo.py", args)
+    assert open(f"{two.out_dir}/round1/pairs.jsonl").read() == \
+        open(f"{one.out_dir}/round1/pairs.jsonl").read()
+    a, b = dpo_metrics(f"{one.out_dir}/round1/dpo"), dpo_metrics(f"{two.out_dir}/round1/dpo")
+    for k in ("loss", "rewards/margins", "grad_norm"):
+        assert all(abs(x[k] - y[k]) <= DPO_TOL for x, y in zip(a, b)), k
+    # a new seed samples other pairs
+    other = replace(one, out_dir=str(tiny.root / "iterative-other"), seed=one.seed + 1)
+    pairs, _ = iterative_dpo.sample_pairs(
+        load_model(one.sft, "cpu")[0].eval(), data.load_tokenizer(f"{tiny.sft}/tokenizer.json"),
+        data.read_prompts(one.prompts), 0, other, CPU)
+    assert pairs != data.read_pairs(f"{one.out_dir}/round1/pairs.jsonl")
 
 
 # ==================================================================================================
