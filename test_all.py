@@ -3279,6 +3279,34 @@ def test_iterative_two_ranks_sample_and_label_what_one_process_does(tiny, dpo_ca
     assert pairs != data.read_pairs(f"{one.out_dir}/round1/pairs.jsonl")
 
 
+def test_iterative_labels_only_pairs_that_both_ended_hold_text_and_differ(tiny, monkeypatch):  # noqa
+    # a scripted sampler: completion a of batch b is SCRIPT[b][a // 2][a % 2] (text, ended); batch 0
+    # has one pair of each kind, batch 1 four good ones, of which the round's budget keeps three
+    SCRIPT = [[("good one", True), ("good two", True)], [("cut", False), ("ends", True)],
+              [("  ", True), ("text", True)], [("same", True), (" same ", True)]], \
+        [[(f"more {i}", True), (f"other {i}", True)] for i in range(4)]
+    made = []
+    monkeypatch.setattr(iterative_dpo, "generate", lambda policy, rows, *a, **k: [
+        made.append(None) or len(made) - 1 for _ in rows])
+    monkeypatch.setattr(iterative_dpo, "score_completions", lambda out, *a: (
+        [SCRIPT[n // 8][n % 8 // 2][n % 2][0] for n in out],
+        torch.tensor([SCRIPT[n // 8][n % 8 // 2][n % 2][1] for n in out]), None, None))
+    cfg = iterative_cfg(tiny, "iterative-scripted", pairs=4, micro_batch_size=3)
+    policy = SimpleNamespace(config=SimpleNamespace(block_size=64))
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    pairs, counts = iterative_dpo.sample_pairs(policy, tok, ["p"] * 8, 0, cfg, CPU)
+    assert counts == dict(labelled=4, sampled=8, unfinished=1, empty=1, identical=1)
+    assert [{p["chosen"], p["rejected"]} for p in pairs] == [
+        {"good one", "good two"}] + [{f"more {i}", f"other {i}"} for i in range(3)]
+    # a policy that never ends gives up after MAX_BATCHES batches, saying what it skipped
+    SCRIPT = [[("cut", False)] * 2] * 4 * iterative_dpo.MAX_BATCHES
+    SCRIPT = [SCRIPT[i:i + 4] for i in range(0, len(SCRIPT), 4)]
+    made.clear()
+    with pytest.raises(SystemExit, match=f"{4 * iterative_dpo.MAX_BATCHES} prompts gave only 0 "
+                       f"pairs .*'unfinished': {4 * iterative_dpo.MAX_BATCHES}"):
+        iterative_dpo.sample_pairs(policy, tok, ["p"] * 8, 0, cfg, CPU)
+
+
 # ==================================================================================================
 # the evaluation: π_ref against itself gives KL 0 and win rate 1/2, one scoring rule for every
 # model, the KL estimate against exact enumeration (evaluate.py)

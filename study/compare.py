@@ -206,6 +206,8 @@ def sweep(cfg, R):
         n_pool, k = len(data.read_pairs(t("pairs_train.jsonl"))), cfg.iterative_rounds
         check(cfg.dpo_steps % k == 0, f"--dpo_steps {cfg.dpo_steps} is not divisible by "
               f"--iterative_rounds {k}: each round gets the same share of the steps")
+        check(n_pool % k == 0, f"the pool's {n_pool} pairs do not split evenly into "
+              f"--iterative_rounds {k}: the label budget would not be the pool's")
         runs += [(f"{p}{n}", iterative_dpo, iterative_dpo.Config(
             out_dir=o(n), sft=R["sft"], prompts=t("prompts_train.jsonl"),
             val_pairs=t("pairs_val.jsonl"), rounds=k, pairs=n_pool // k,

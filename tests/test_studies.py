@@ -24,7 +24,7 @@ import precompute
 import task as tasks  # the built-in task (as test_all.py names it)
 from model import GPT, GPTConfig, load_model
 from plumbing import init_distributed
-from study import compare, costs, envelope, eos, figure, gpu, results, tables, tune
+from study import compare, costs, envelope, eos, explore, figure, gpu, results, tables, tune
 from test_all import dpo_cfg, dpo_weights, run_torchrun  # its fixtures come through conftest.py
 
 # ==================================================================================================
@@ -466,3 +466,78 @@ def test_figure_reads_the_frontier_tables_and_needs_matplotlib_only_to_draw(tmp_
     with pytest.raises(SystemExit, match="needs matplotlib .*nothing was written"):
         figure.main(cfg)
     assert not out.exists()
+
+
+# ==================================================================================================
+# study/explore.py: one label budget and one step budget, the contrasts, the decision rule
+# ==================================================================================================
+
+def test_explore_gives_the_four_dpo_arms_one_label_and_one_step_budget(tmp_path):
+    """400 pool pairs and 20 steps: offline DPO 400 pairs in 20 steps, iterative DPO 4 rounds of
+    100 pairs and 5 steps, online DPO 20 rounds of 20 pairs and one step; a budget that does not
+    split evenly is refused, never rounded."""
+    def pool(n):
+        os.makedirs(tmp_path / "task", exist_ok=True)
+        with open(tmp_path / "task/pairs_train.jsonl", "w") as f:
+            f.writelines(json.dumps(dict(prompt=f"p{i}", chosen="a", rejected="b")) + "\n"
+                         for i in range(n))
+    pool(400)
+    cfg = explore.Config(out_dir=str(tmp_path / "x"), task=str(tmp_path / "task"),
+                         regimes="default", seeds="1,2", dpo_steps=20, rounds=4)
+    cc = explore.explore_config(cfg, 400)
+    runs = compare.sweep(cc, compare.regimes(cc)[0])
+    arms = {}
+    for name, stage, c in runs:
+        arms.setdefault((stage.__name__, getattr(c, "reward", "")), []).append(
+            (c.seed, explore.budgets(stage, c, 400)))
+    assert sorted(arms) == [("dpo", ""), ("iterative_dpo", ""), ("online_dpo", "model"),
+                            ("online_dpo", "oracle"), ("ppo", "model"), ("ppo", "true")]
+    assert arms[("dpo", "")] == [(1, ("400 pairs", 20)), (2, ("400 pairs", 20))]
+    assert {b for _, b in arms[("iterative_dpo", "")]} == {("4 × 100 pairs", 20)}
+    assert {b for k in ("model", "oracle") for _, b in arms[("online_dpo", k)]} == {
+        ("20 × 20 pairs", 20)}
+    # one β for every arm (PPO's KL coefficient), every run scored on the task's test prompts
+    assert {getattr(c, "beta", getattr(c, "kl_coef", None)) for _, _, c in runs} == {0.1}
+    assert {c.test_prompts for _, _, c in runs} == {f"{tmp_path}/task/prompts_test.jsonl"}
+    with pytest.raises(SystemExit, match="400 pairs do not split evenly into --dpo_steps 30"):
+        explore.explore_config(replace(cfg, dpo_steps=30), 400)
+    with pytest.raises(SystemExit, match="--dpo_steps 20 is not divisible by --iterative_rounds 3"):
+        compare.sweep(replace(cc, iterative_rounds=3), compare.regimes(cc)[0])
+    pool(402)
+    with pytest.raises(SystemExit, match="402 pairs do not split evenly into --iterative_rounds 4"):
+        compare.sweep(cc, compare.regimes(cc)[0])
+
+
+def test_contrast_intervals_two_groups_are_welch_and_four_by_hand():
+    xs, ys = [1.0, 2.0, 3.0, 6.0], [0.0, 1.0, 1.0, 2.0]
+    assert explore.contrast_interval([(1, xs), (-1, ys)]) == envelope.welch_interval(xs, ys)
+    # four groups: means 3, 1, 2, 6 and s²/n = (14/3)/4, 2/2, 3/3, 4/4 = 7/6, 1, 1, 1
+    a, b, c, e = [1.0, 2.0, 3.0, 6.0], [0.0, 2.0], [1.0, 1.0, 4.0], [5.0, 5.0, 5.0, 9.0]
+    d, lo, hi = explore.contrast_interval([(1, a), (-1, b), (-1, c), (1, e)])
+    assert d == pytest.approx(3 - 1 - 2 + 6)
+    # se² = 7/6 + 3 = 25/6; ν = (25/6)² / ((7/6)²/3 + 1/1 + 1/2 + 1/3) = 1875/247 ≈ 7.59
+    half = (hi - lo) / 2
+    assert half == pytest.approx(envelope.t_quantile(1875 / 247) * math.sqrt(25 / 6))
+    assert 2.306 < half / math.sqrt(25 / 6) < 2.365  # t's 97.5% point between 8 and 7 d.o.f.
+    assert explore.contrast_interval([(1, a), (-1, [2.0])]) == (1.0, None, None)
+    assert explore.contrast_interval([(1, [2.0, 2.0]), (-1, [1.0, 1.0])]) == (1.0, 1.0, 1.0)
+
+
+def test_the_decision_rule_reaches_each_of_its_four_verdicts():
+    up, zero, down, none = (1, 0.5, 1.5), (0, -1, 1), (-1, -1.5, -0.5), (0, None, None)
+    it, on = explore.EXPLORERS
+
+    def rule(unseen, default, did):
+        return explore.verdict({"unseen": dict(zip((it, on), unseen)),
+                                "default": dict(zip((it, on), default))},
+                               dict(zip((it, on), did)))
+    assert rule((up, up), (zero, up), (up, up)).startswith("exploration:")
+    # one arm's gain in the unseen regime short of the other's: not the rule's "both"
+    assert rule((up, zero), (zero, zero), (up, zero)).startswith("mixed: ")
+    assert rule((up, zero), (up, zero), (zero, zero)).startswith("not exploration:")
+    # a gain in the unseen regime alone whose DiD holds 0 is neither: the rule reports it arm by arm
+    assert rule((up, zero), (zero, zero), (zero, zero)).startswith("mixed: ")
+    assert rule((zero, none), (none, zero), (zero, none)).startswith("no measurable gain")
+    assert rule((up, down), (zero, down), (up, zero)) == (
+        f"mixed: {it}: unseen +, default 0, DiD +; {on}: unseen −, default −, DiD 0 "
+        "(+: above 0, −: below, 0: holds 0)")
