@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import data
 import dpo
+import iterative_dpo
 import online_dpo
 import ppo
 import precompute
@@ -65,7 +66,7 @@ def state_bytes(c, trainable, w=4, world=1, shard="ddp"):
     return {**s, "total": sum(s.values())}
 
 
-def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0):
+def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0, share=0.0):
     """FLOPs of one iteration of `job` by phase, as the loops run it (hardware FLOPs: padding
     included); c: the policy's GPTConfig (critic and r_φ are the same transformer with a one-unit
     head). K: the positions with a target, where the LM head runs (model.sequence_logprobs).
@@ -78,8 +79,15 @@ def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0):
           cuts each micro-batch to its own lengths, so it runs somewhat less)
       online_dpo: B prompts, two completions each (online_dpo.py's round, one micro-batch): the
           rollout engine samples (2B, L) rows, P columns of them prompt (KV cache), r_φ scores
-          them, then dpo_live's work on the B labelled pairs, (2B, T) rows with K targets."""
+          them, then dpo_live's work on the B labelled pairs, (2B, T) rows with K targets.
+      iterative_dpo: one dpo.py step on B pairs the policy sampled (online DPO's shapes), and its
+          `share` of the round's batch jobs: sampling and π_ref's precompute of share·B pairs
+          (a round samples --pairs for --steps steps of B: share = pairs / (steps·B))."""
     f, s = estimate_flops, replace(c, head="scalar")
+    if job == "iterative_dpo":
+        return {"rollout": share * generate_flops(c, 2 * B, P, L - P),
+                "precompute": share * f(c, 2 * B, T, outputs=K),
+                "policy": f(c, 2 * B, T, backward=True, outputs=K)}
     if job == "online_dpo":
         return {"rollout": generate_flops(c, 2 * B, P, L - P), "reward": f(s, 2 * B, L),
                 "reference": f(c, 2 * B, T, outputs=K),
@@ -99,9 +107,16 @@ JOBS = {  # what each training job holds: (model, head, trains)
     "online_dpo": [("policy", "lm", True), ("reference", "lm", False),
                    ("reward model", "scalar", False), ("rollout copy", "lm", False)],
     "dpo_live": [("policy", "lm", True), ("reference", "lm", False)],
-    "dpo_cache": [("policy", "lm", True)]}
+    "dpo_cache": [("policy", "lm", True)],
+    # its training job is dpo.py's; the sampling (the policy, frozen) and the precompute (π_ref,
+    # frozen) run between rounds as batch jobs, each alone on the machine
+    "iterative_dpo": [("policy", "lm", True)]}
 LABEL = {"ppo": "PPO", "online_dpo": "online DPO", "dpo_live": "DPO, live π_ref",
-         "dpo_cache": "DPO, cached log π_ref", "precompute": "precompute (once)"}
+         "dpo_cache": "DPO, cached log π_ref", "iterative_dpo": "iterative DPO",
+         "precompute": "precompute (once)"}
+I = iterative_dpo.Config  # noqa: E741
+# the share of a round's sampling and precompute one of its steps carries: pairs / (steps · B)
+ITERATIVE_SHARE = I.pairs / (I.steps * I.batch_size)
 # The 7B extrapolation: a GPT with Llama-2-7B's depth, width, heads and vocabulary (bias-free, tied
 # embeddings: 6.58B parameters against Llama's 6.74B, whose SwiGLU MLP has 3x11008 columns to our
 # 2x16384). Every sequence: prompt_len prompt tokens + the rest response, no padding.
@@ -264,17 +279,22 @@ def measure_small(cfg, d, B=32):
              "online_dpo": {"rollout": f_o_roll, "reward": f_o_rm, "reference": f_o_ref,
                             "policy": f_o_pol},
              "dpo_live": {"policy": f_policy, "reference": f_ref},
-             "dpo_cache": {"policy": f_policy, "reference": 0}}
+             "dpo_cache": {"policy": f_policy, "reference": 0},
+             # the same sampled pairs trained by dpo.py; the round's work counted, then shared
+             "iterative_dpo": {"rollout": ITERATIVE_SHARE * f_o_roll,
+                               "precompute": ITERATIVE_SHARE * f_o_ref, "policy": f_o_pol}}
     K_dpo, K_ppo = int((y != -100).sum()), int(out["response_mask"].sum())
     shapes = {"ppo": dict(B=B, T=t.shape[1], K=K_ppo, P=P, epochs=ppo.Config.ppo_epochs),
-              "online_dpo": dict(B=B, T=xo.shape[1], K=int((yo != -100).sum()), P=P,
-                                 L=on["tokens"].shape[1]),
+              **{job: dict(B=B, T=xo.shape[1], K=int((yo != -100).sum()), P=P,
+                           L=on["tokens"].shape[1], **extra)
+                 for job, extra in (("online_dpo", {}),
+                                    ("iterative_dpo", dict(share=ITERATIVE_SHARE)))},
               **{job: dict(B=B, T=x.shape[1], K=K_dpo) for job in ("dpo_live", "dpo_cache")}}
     dpo_units = dict(positions=x.numel(), tokens=int((x != tok.pad).sum()), examples=B)
+    on_units = dict(positions=xo.numel(), tokens=int((xo != tok.pad).sum()), examples=B)
     units = {"ppo": dict(positions=t.numel(), tokens=int(m.sum()), examples=B),
-             "online_dpo": dict(positions=xo.numel(), tokens=int((xo != tok.pad).sum()),
-                                examples=B),
-             "dpo_live": dpo_units, "dpo_cache": dpo_units}
+             "online_dpo": on_units, "dpo_live": dpo_units, "dpo_cache": dpo_units,
+             "iterative_dpo": on_units}
     models = {"policy": (policy, opts[0]), "critic": (critic, opts[1]), "reference": (ref, None),
               "reward model": (rm, None), "rollout copy": (rollout, None)}
     held = {k: (measured_bytes(mod, o), next(mod.parameters()).element_size())
@@ -365,10 +385,17 @@ def costs(cfg, d, say):
     dict."""
     say("[costs] counting the FLOPs and bytes of one iteration of each job at π_ref's size")
     c, flops, shapes, units, models = measure_small(cfg, d)
-    n_pairs = sum(len(data.read_pairs(f"{cfg.task}/pairs_{s}.jsonl")) for s in ("train", "val"))
+    n_val = len(data.read_pairs(f"{cfg.task}/pairs_val.jsonl"))
+    n_pairs = n_val + len(data.read_pairs(f"{cfg.task}/pairs_train.jsonl"))
     rounds = timed_runs(cfg, d, say)
     if not d.is_main:
         return None
+    for r in rounds:  # iterative DPO's step, composed of the measured parts it runs
+        pairs = ITERATIVE_SHARE * I.batch_size  # sampled and precomputed per step of the round
+        ph = dict(sampling=pairs * r["online_dpo"]["phases"]["rollout"]
+                  / online_dpo.Config.rollout_batch,
+                  precompute=pairs * r["precompute"]["ms"] / n_pairs, step=r["dpo_cache"]["ms"])
+        r["iterative_dpo"] = {"ms": sum(ph.values()), "phases": ph}
     res = {"model": asdict(c), "params": n_params(c)[0], "device": str(d.device), "world": d.world,
            "threads": torch.get_num_threads(), "n_pairs": n_pairs, "jobs": {}, "rounds": rounds}
     for job, held in JOBS.items():
@@ -377,7 +404,9 @@ def costs(cfg, d, say):
                 for k, h, tr in held}
         peak = [r[job]["peak_bytes"] for r in rounds if "peak_bytes" in r[job]]
         res["jobs"][job] = dict(
-            models=mods, cache_bytes=8 * n_pairs if job == "dpo_cache" else 0,  # 2 fp32 a pair
+            # 2 fp32 a pair: the pool's, or a round's pairs (and the val pairs)
+            models=mods, cache_bytes=8 * {"dpo_cache": n_pairs, "iterative_dpo": I.pairs + n_val
+                                          }.get(job, 0),
             flops_analytic=iteration_flops(c, job, **shapes[job]), flops_counted=flops[job],
             units=units[job], peak_bytes=max(peak, default=None),
             **{f"bytes_{k}": {s: sum(m[k][s] for m in mods.values()) for s in mods["policy"][k]}
@@ -408,7 +437,8 @@ def at_7b(a=BIG):
     T, P = a["seq_len"], a["prompt_len"]
     for job, held in JOBS.items():
         rows = 1 if job == "ppo" else 2  # one rollout, or one pair's [chosen; rejected]
-        fl = iteration_flops(big, job, 1, T, rows * (T - P), P, a["ppo_epochs"], L=T)
+        fl = iteration_flops(big, job, 1, T, rows * (T - P), P, a["ppo_epochs"], L=T,
+                             share=ITERATIVE_SHARE)
         gpu = {sh: sum(state_bytes(replace(big, head=h), tr, a["weight_bytes"], a["gpus"],
                                    sh)["total"] for _, h, tr in held)
                for sh in ("ddp", "zero1", "fsdp")}
@@ -471,6 +501,7 @@ def costs_markdown(res, cfg):
               "online_dpo": (online_dpo.Config.rollout_batch, "pairs"),
               "dpo_live": (dpo.Config.batch_size, "pairs"),
               "dpo_cache": (dpo.Config.batch_size, "pairs"),
+              "iterative_dpo": (I.batch_size, "pairs"),
               "precompute": (res["n_pairs"], "pairs (train + val)")}
     for job, (n, unit) in per_ex.items():
         t = J[job]["time"]
@@ -505,7 +536,9 @@ def costs_markdown(res, cfg):
         "Measured: the parameters' nbytes (a tied weight once), their grads after a backward, "
         "AdamW's state after a step. Peak memory: torch.cuda.max_memory_allocated over a timed "
         "run, on a GPU; the CPU keeps no allocator statistics, so there only the model state is "
-        "known (activations come on top).", "",
+        "known (activations come on top). Iterative DPO's training job is dpo.py's, the policy "
+        "alone, its cache a round's pairs and the val pairs; between rounds a batch job samples "
+        "from the policy (frozen), then the precompute reads π_ref (frozen), one at a time.", "",
         "### What a token costs (FLOPs of one iteration at real shapes; ✓ = torch's "
         "FlopCounterMode counts the same, its CPU attention kernels mapped to torch's own "
         "formulas by meter.count_flops)", "",
@@ -521,7 +554,13 @@ def costs_markdown(res, cfg):
         "DPO's round samples two completions of each of PPO's prompts with the KV cache, r_φ "
         "scores all 2B, and the labelled pairs go through π_ref and the policy as in live DPO. "
         f"PPO against cached DPO: {ratios('ppo')}; online DPO against cached DPO: "
-        f"{ratios('online_dpo')}.", "",
+        f"{ratios('online_dpo')}; iterative DPO against cached DPO: {ratios('iterative_dpo')}. "
+        "Iterative DPO's step is dpo.py's on pairs the policy sampled (so online DPO's pair "
+        f"shapes), plus its share, {ITERATIVE_SHARE:g} = {I.pairs} / ({I.steps} × "
+        f"{I.batch_size}), of its round's sampling and precompute: online DPO's rollout and "
+        "π_ref forward on the same pairs, counted and scaled by that share. A round whose "
+        "completions do not end samples more prompts for its pairs (iterative_dpo.MAX_BATCHES): "
+        "that is not counted here.", "",
         layout_table(res["layouts"]), "",
         f"### Wall time of the real loops (median of {cfg.rounds} interleaved rounds, "
         f"{cfg.time_steps - 1} timed steps each)", "",
@@ -532,7 +571,10 @@ def costs_markdown(res, cfg):
         "second, over the device's matmul peak measured at the model's own shapes "
         "(meter.measure_peak_flops). HFU: the FLOPs actually executed (padding, full "
         "attention, recomputed scores included; meter.estimate_flops) over the same peak. "
-        "MFU <= HFU <= 1.", "",
+        "MFU <= HFU <= 1. Iterative DPO's row is composed of measured ones, not timed alone: "
+        f"the cached DPO step plus its {ITERATIVE_SHARE * I.batch_size:g} pairs' share of a "
+        "round, at online DPO's rollout time per pair (sampling) and the precompute's time per "
+        "pair.", "",
         f"The precompute ran π_ref once over the pairs: {gflop('precompute_train')} for the "
         f"train pairs and {gflop('precompute_val')} for the val pairs, counted on its real "
         f"batches. A live reference runs {gflop('live_per_step')} per step on the train pairs "

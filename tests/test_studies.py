@@ -243,6 +243,15 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     assert res["jobs"]["ppo"]["bytes_analytic"]["total"] \
         > res["jobs"]["dpo_live"]["bytes_analytic"]["total"] \
         > res["jobs"]["dpo_cache"]["bytes_analytic"]["total"]
+    # iterative DPO's wall per step, composed in each round: the cached step, and 20 pairs at
+    # online DPO's rollout time per pair and the precompute's time per pair
+    n_pairs = res["n_pairs"]
+    for r in res["rounds"]:
+        ph = r["iterative_dpo"]["phases"]
+        assert ph["step"] == r["dpo_cache"]["ms"]
+        assert ph["sampling"] == pytest.approx(20 * r["online_dpo"]["phases"]["rollout"] / 64)
+        assert ph["precompute"] == pytest.approx(20 * r["precompute"]["ms"] / n_pairs)
+        assert r["iterative_dpo"]["ms"] == pytest.approx(sum(ph.values()))
     summary = (root / "out" / "summary.md").read_text()
     assert ("python -m study.compare --out_dir" in summary and "frontier" in summary
             and "7B" in summary)
@@ -322,6 +331,17 @@ def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F
     # online DPO's round: KV-cache steps sampled, and every phase did work (a dropped term shows)
     assert shapes["online_dpo"]["L"] > shapes["online_dpo"]["P"] + 1
     assert all(v > 0 for v in flops["online_dpo"].values())
+    # iterative DPO's step: online DPO's pairs through the policy, and 1000 / (50 × 64) of the
+    # round's sampling and precompute (online DPO's rollout and π_ref forward on them)
+    it, on, a = flops["iterative_dpo"], flops["online_dpo"], costs.ITERATIVE_SHARE
+    assert a == 0.3125 and it["policy"] == on["policy"]
+    assert (it["rollout"], it["precompute"]) == (a * on["rollout"], a * on["reference"])
+    # at 7B its training job holds what cached DPO's does; a token costs more than cached DPO's
+    # (the round's sampling) and less than online DPO's (a share of it, no r_φ, no live π_ref)
+    big = costs.at_7b()["jobs"]
+    assert big["iterative_dpo"]["bytes_per_gpu"] == big["dpo_cache"]["bytes_per_gpu"]
+    assert (big["dpo_cache"]["flops_per_token"] < big["iterative_dpo"]["flops_per_token"]
+            < big["online_dpo"]["flops_per_token"])
     for job in costs.JOBS:
         for name, head, trains in costs.JOBS[job]:
             measured, w = models[name]
