@@ -54,6 +54,7 @@ class Config:
     pairs: int = 1000  # labelled pairs per round: 4 × 1,000 is the offline pool's 4,000
     steps: int = 50  # dpo.py steps per round: 3.2 epochs of its pairs, as dpo.py's of the pool
     beta: float = 0.5  # the KL(π‖π_ref) constraint, as dpo.py's
+    rpo_alpha: float = 0.0  # dpo.py's NLL term on the chosen response (RPO), in every round
     lr: float = 1e-3  # each round's peak learning rate, warmup and cosine (dpo.py's)
     batch_size: int = 64  # pairs per step (dpo.py's)
     micro_batch_size: int = 64  # completions sampled per forward on one rank
@@ -138,8 +139,9 @@ def round_configs(cfg, r):
                     train_pairs=pairs, val_pairs=cfg.val_pairs, ref_logps=pc.out_dir,
                     test_prompts=cfg.test_prompts,
                     val_prompts=cfg.val_prompts if r == cfg.rounds - 1 else "",
-                    beta=cfg.beta, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                    eval_k=cfg.eval_k, seed=cfg.seed, resume=cfg.resume)
+                    beta=cfg.beta, rpo_alpha=cfg.rpo_alpha, steps=cfg.steps,
+                    batch_size=cfg.batch_size, lr=cfg.lr, eval_k=cfg.eval_k, seed=cfg.seed,
+                    resume=cfg.resume)
     return folder, pairs, pc, dc
 
 
@@ -156,10 +158,12 @@ def main(cfg):
           "reward, which scores only the task's text: pass its prompts (out/task/prompts_*.jsonl)")
     tok = data.load_tokenizer(tokenizer_beside(cfg.sft))
     # rounds.json: the config and each finished round's counts, so an interrupted run resumes at
-    # its first unfinished round (which dpo.py resumes from its own checkpoint)
+    # its first unfinished round (which dpo.py resumes from its own checkpoint); a field the
+    # recorded config lacks was added since, and that run had its default
     state_path, me = os.path.join(cfg.out_dir, "rounds.json"), asdict(cfg) | {"resume": None}
     state = json.loads(Path(state_path).read_text()) if os.path.exists(state_path) else {}
-    rounds = state.get("rounds", []) if cfg.resume and state.get("config") == me else []
+    was = asdict(Config()) | {"resume": None} | state.get("config", {})
+    rounds = state.get("rounds", []) if cfg.resume and was == me else []
     for r in range(cfg.rounds):
         folder, pairs_path, pc, dc = round_configs(cfg, r)
         if r < len(rounds):

@@ -3253,10 +3253,19 @@ def test_iterative_rounds_cache_equals_live_and_chain_their_policies(tiny, dpo_c
     assert all(torch.equal(x, y) for x, y in zip(
         dpo_weights(cfg.out_dir).values(),
         dpo_weights(iterative_dpo.round_configs(cfg, 1)[3].out_dir).values()))
-    # a rerun with the same config skips both rounds (rounds.json)
-    before = open(f"{cfg.out_dir}/round2/pairs.jsonl").read()
+    # a rerun with the same config skips both rounds (rounds.json), also when it was recorded
+    # before a field existed (there: rpo_alpha, at its default); another config starts over
+    stamp = lambda: (lambda st: (st.st_ino, st.st_mtime_ns))(  # noqa: E731  rewritten or not
+        os.stat(f"{cfg.out_dir}/round2/pairs.jsonl"))
+    before, written = open(f"{cfg.out_dir}/round2/pairs.jsonl").read(), stamp()
+    state = json.load(open(f"{cfg.out_dir}/rounds.json"))
+    del state["config"]["rpo_alpha"]
+    checkpoint.atomic_write_json(f"{cfg.out_dir}/rounds.json", state)
     iterative_dpo.main(cfg)
-    assert open(f"{cfg.out_dir}/round2/pairs.jsonl").read() == before
+    assert open(f"{cfg.out_dir}/round2/pairs.jsonl").read() == before and stamp() == written
+    assert json.load(open(f"{cfg.out_dir}/rounds.json"))["rounds"] == state["rounds"]
+    nll = replace(cfg, rpo_alpha=1.0)
+    assert iterative_dpo.round_configs(nll, 1)[3].rpo_alpha == 1.0
 
 
 def test_iterative_two_ranks_sample_and_label_what_one_process_does(tiny, dpo_cache):  # noqa

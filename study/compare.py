@@ -84,6 +84,7 @@ class Config:
     # iterative DPO runs (iterative_dpo.py: oracle labels, --iterative_rounds rounds that split the
     # pool's size in pairs and --dpo_steps in steps): one per β × --dpo_lrs ("" = none)
     iterative_betas: str = ""
+    iterative_nll_betas: str = ""  # the same with dpo.py's NLL term, --nll_alpha ("" = none)
     iterative_rounds: int = iterative_dpo.Config.rounds
     # task regimes (task.REGIMES), each a frontier of its own: its task beside --task (out/task:
     # out/task-capped, as task.task_dir), its π_ref (the default's when its texts are), r_φ, cache
@@ -202,18 +203,20 @@ def sweep(cfg, R):
             prompts=t("prompts_train.jsonl"), reward=rw, beta=b, iterations=cfg.online_iterations,
             rollout_batch=cfg.online_batch, lr=cfg.online_lr, seed=s, **held_out))
             for b in floats(cfg.online_betas) for s in seeds for n in [f"{tag}-beta{b:g}-seed{s}"]]
-    if floats(cfg.iterative_betas):  # the label and step budgets: the pool's, split in rounds
+    if floats(cfg.iterative_betas + "," + cfg.iterative_nll_betas):  # the pool's budgets, in rounds
         n_pool, k = len(data.read_pairs(t("pairs_train.jsonl"))), cfg.iterative_rounds
         check(cfg.dpo_steps % k == 0, f"--dpo_steps {cfg.dpo_steps} is not divisible by "
               f"--iterative_rounds {k}: each round gets the same share of the steps")
         check(n_pool % k == 0, f"the pool's {n_pool} pairs do not split evenly into "
               f"--iterative_rounds {k}: the label budget would not be the pool's")
+        its = [(b, 0.0) for b in floats(cfg.iterative_betas)] + [
+            (b, cfg.nll_alpha) for b in floats(cfg.iterative_nll_betas)]
         runs += [(f"{p}{n}", iterative_dpo, iterative_dpo.Config(
             out_dir=o(n), sft=R["sft"], prompts=t("prompts_train.jsonl"),
             val_pairs=t("pairs_val.jsonl"), rounds=k, pairs=n_pool // k,
-            steps=cfg.dpo_steps // k, beta=b, lr=lr, seed=s, **held_out))
-            for b in floats(cfg.iterative_betas) for lr in floats(cfg.dpo_lrs) for s in seeds
-            for n in [f"iterative-beta{b:g}-lr{lr:g}-seed{s}"]]
+            steps=cfg.dpo_steps // k, beta=b, rpo_alpha=a, lr=lr, seed=s, **held_out))
+            for b, a in its for lr in floats(cfg.dpo_lrs) for s in seeds
+            for n in [f"iterative-{f'nll{a:g}-' if a else ''}beta{b:g}-lr{lr:g}-seed{s}"]]
     for rw, coefs, tag in (("model", cfg.kl_coefs, "ppo"), ("true", cfg.true_kl_coefs, "ppo-true")):
         runs += [(f"{p}{n}", ppo, ppo.Config(
             out_dir=o(n), sft=R["sft"], reward_model=R["reward_model"],
@@ -229,7 +232,8 @@ ONLINE = {"model": "online DPO", "oracle": "online DPO (oracle)", "true": "onlin
 
 def method_of(stage, c):
     return "π_ref" if stage is None else ("DPO+NLL" if c.rpo_alpha else "DPO") if stage is dpo \
-        else "iterative DPO" if stage is iterative_dpo else ONLINE[c.reward] \
+        else ("iterative DPO+NLL" if c.rpo_alpha else "iterative DPO") if stage is iterative_dpo \
+        else ONLINE[c.reward] \
         if stage is online_dpo else "PPO" if c.reward == "model" else "PPO-GT"
 
 
@@ -411,6 +415,7 @@ def frontier(cfg, Rs, d, say):
                 f"{c.steps} steps, seed {c.seed}" if stage is iterative_dpo else
                 f"ppo.main, {'r_φ' if uses_rm else 'the true reward'}, KL coef {c.kl_coef:g}, "
                 f"{c.iterations} iterations, seed {c.seed}")
+        what += f", NLL α {c.rpo_alpha:g}" if stage in (dpo, iterative_dpo) and c.rpo_alpha else ""
         what += f", in {cfg.curve_points} chunks (learning curve)" if curve else ""
         resuming = resume and stage and checkpoint_state(f"{out}/ckpt")
         say(f"[{i + 1}/{len(todo)}] {name}: {what}" + (" (resuming)" if resuming else ""))

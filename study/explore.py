@@ -67,13 +67,17 @@ class Config:
     rounds: int = iterative_dpo.Config.rounds  # iterative DPO's rounds: labels and steps split
     ppo_iterations: int = compare.Config.ppo_iterations  # PPO's: as the frontier study's
     eval_k: int = dpo.Config.eval_k  # completions per test prompt
+    # a seventh row, added after the runs, outside the rule: iterative DPO with dpo.py's NLL term
+    # on the chosen response (RPO's α), the remedy for the EOS it lost (0: no such row)
+    nll_alpha: float = 1.0
     results: str = "RESULTS.md"  # its section --section gets the tables ("": none)
     section: str = "exploration"
 
 
-ARMS = ("DPO", "iterative DPO", "online DPO (oracle)", "online DPO", "PPO", "PPO-GT")
+ARMS = ("DPO", "iterative DPO", "online DPO (oracle)", "online DPO", "PPO", "PPO-GT",
+        "iterative DPO+NLL")
 NAMES = {"DPO": "offline DPO", "online DPO": "online DPO (r_φ)", "PPO": "PPO (r_φ)",
-         "PPO-GT": "PPO-GT (hidden reward)"}
+         "PPO-GT": "PPO-GT (hidden reward)", "iterative DPO+NLL": "iterative DPO + NLL"}
 EXPLORERS = ("iterative DPO", "online DPO (oracle)")  # the arms the decision rule reads
 
 
@@ -89,6 +93,7 @@ def explore_config(cfg, n_pool):
         ref_logps=cfg.ref_logps, betas=b, dpo_lrs=f"{cfg.dpo_lr:g}", nll_betas="", kl_coefs=b,
         ppo_lrs=f"{cfg.ppo_lr:g}", true_kl_coefs=b, online_betas=b, online_rewards="model,oracle",
         online_lr=cfg.online_lr, online_batch=n_pool // cfg.dpo_steps, iterative_betas=b,
+        iterative_nll_betas=b if cfg.nll_alpha else "", nll_alpha=cfg.nll_alpha,
         iterative_rounds=cfg.rounds, regimes=cfg.regimes, seeds=cfg.seeds,
         dpo_steps=cfg.dpo_steps, ppo_iterations=cfg.ppo_iterations,
         online_iterations=cfg.dpo_steps, eval_k=cfg.eval_k, curve_points=0, costs=False,

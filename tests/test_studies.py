@@ -19,6 +19,7 @@ import torch
 
 import data
 import dpo
+import iterative_dpo
 import ppo
 import precompute
 import task as tasks  # the built-in task (as test_all.py names it)
@@ -513,7 +514,11 @@ def test_explore_gives_the_four_dpo_arms_one_label_and_one_step_budget(tmp_path)
     assert sorted(arms) == [("dpo", ""), ("iterative_dpo", ""), ("online_dpo", "model"),
                             ("online_dpo", "oracle"), ("ppo", "model"), ("ppo", "true")]
     assert arms[("dpo", "")] == [(1, ("400 pairs", 20)), (2, ("400 pairs", 20))]
+    # iterative DPO twice a seed: plain, and the remedy row with dpo.py's NLL term
     assert {b for _, b in arms[("iterative_dpo", "")]} == {("4 × 100 pairs", 20)}
+    its = [(n.split("/")[-1], c.rpo_alpha) for n, stage, c in runs if stage is iterative_dpo]
+    assert sorted(its) == sorted((f"iterative-{t}beta0.1-lr0.001-seed{s}", a)
+                                 for t, a in (("", 0.0), ("nll1-", 1.0)) for s in (1, 2))
     assert {b for k in ("model", "oracle") for _, b in arms[("online_dpo", k)]} == {
         ("20 × 20 pairs", 20)}
     # one β for every arm (PPO's KL coefficient), every run scored on the task's test prompts
