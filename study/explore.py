@@ -214,6 +214,40 @@ def tables(rows, cfg, meta):
     return text + "\n" + "\n".join(lines), v
 
 
+def by_round(rows, cfg):
+    """Iterative DPO round by round, mean over the seeds of the default regime's runs (the arm
+    never reads the pool, so unseen's are the same runs but for the val pairs): what each round
+    sampled and skipped, how often its chosen response is the longer, the policy's log-prob of
+    the chosen responses at the round's first and last step, and its evaluation after it."""
+    out = ["#### Iterative DPO, round by round (regime default)\n",
+           "| arm | round | prompts sampled | pairs skipped: a completion did not end | chosen "
+           "longer than rejected | logps/chosen, first → last step | EOS rate | KL(π‖π_ref) "
+           "nats | true reward |", "|---|---|---|---|---|---|---|---|---|"]
+    for arm in ("iterative DPO", "iterative DPO+NLL"):
+        runs = [os.path.join(cfg.out_dir, r["run"]) for r in rows
+                if r["regime"] == "default" and r["method"] == arm]
+        if not runs:
+            continue
+        per = [json.loads(Path(f, "rounds.json").read_text())["rounds"] for f in runs]
+        for k in range(len(per[0])):
+            m = lambda key: fmean(p[k][key] for p in per)  # noqa: E731
+            longer, first, last = [], [], []
+            for f in runs:
+                pairs = data.read_pairs(os.path.join(f, f"round{k + 1}", "pairs.jsonl"))
+                longer.append(fmean(len(p["chosen"].split()) > len(p["rejected"].split())
+                                    for p in pairs))
+                steps = [json.loads(line) for line in Path(
+                    f, f"round{k + 1}", "dpo", "metrics.jsonl").read_text().splitlines()]
+                steps = [s for s in steps if "logps/chosen" in s]
+                first.append(steps[0]["logps/chosen"])
+                last.append(steps[-1]["logps/chosen"])
+            out.append(f"| {NAMES.get(arm, arm)} | {k + 1} | {m('sampled'):,.0f} | "
+                       f"{m('unfinished'):,.0f} | {fmean(longer):.1%} | {fmean(first):.1f} → "
+                       f"{fmean(last):.1f} | {m('eos_rate'):.1%} | {m('kl'):.2f} | "
+                       f"{m('true_reward'):+.2f} |")
+    return "\n".join(out) if len(out) > 3 else ""
+
+
 def main(cfg):
     d = init_distributed()
     say = lambda *a: print(*a, flush=True) if d.is_main else None  # noqa: E731  rank 0 speaks
@@ -239,6 +273,8 @@ def main(cfg):
             tj = json.loads(Path(R["task"], "task.json").read_text())
             meta[R["regime"]] = dict(rule=tj["regime_rule"], pool_top=tj["pool_top_word_rate"])
         md, v = tables(rows, cfg, meta)
+        rounds = by_round(rows, cfg)
+        md += "\n\n" + rounds if rounds else ""
         wall = sum(r["wall_s"] or 0 for r in rows)
         md += (f"\n\nEach cell: mean over {len(compare.seed_list(cc))} seeds ({cfg.seeds}), "
                "[95% t-interval]; contrasts: difference of means, 95% Welch-Satterthwaite "

@@ -566,3 +566,26 @@ def test_the_decision_rule_reaches_each_of_its_four_verdicts():
     assert rule((up, down), (zero, down), (up, zero)) == (
         f"mixed: {it}: unseen +, default 0, DiD +; {on}: unseen −, default −, DiD 0 "
         "(+: above 0, −: below, 0: holds 0)")
+
+
+def test_explore_reads_iterative_dpo_round_by_round_by_hand(tmp_path):
+    rows = []
+    for seed, (sampled, eos, longer, first) in enumerate(((2000, 0.5, 1, -10.0),
+                                                          (4000, 0.7, 0, -20.0))):
+        run = tmp_path / f"iterative-{seed}"
+        (run / "round1/dpo").mkdir(parents=True)
+        (run / "rounds.json").write_text(json.dumps({"rounds": [dict(
+            round=1, sampled=sampled, unfinished=sampled // 2, eos_rate=eos, kl=2.0 * (seed + 1),
+            true_reward=1.0)]}))
+        pair = dict(prompt="p", chosen="a b" if longer else "a", rejected="c")
+        (run / "round1/pairs.jsonl").write_text(
+            json.dumps(pair) + "\n" + json.dumps(dict(prompt="p", chosen="a", rejected="b c")))
+        (run / "round1/dpo/metrics.jsonl").write_text("\n".join(json.dumps(m) for m in (
+            {"logps/chosen": first}, {"val_loss": 0.5}, {"logps/chosen": first - 4})))
+        rows.append(dict(run=run.name, regime="default", method="iterative DPO"))
+    rows.append(dict(run="unseen/x", regime="unseen", method="iterative DPO"))
+    md = explore.by_round(rows, explore.Config(out_dir=str(tmp_path)))
+    # means over the two seeds; chosen longer in 1 of 2 pairs, then 0 of 2
+    assert md.splitlines()[-1] == ("| iterative DPO | 1 | 3,000 | 1,500 | 25.0% | -15.0 → -19.0 "
+                                   "| 60.0% | 3.00 | +1.00 |")
+    assert explore.by_round(rows[-1:], explore.Config(out_dir=str(tmp_path))) == ""
