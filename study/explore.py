@@ -289,7 +289,8 @@ def main(cfg):
         atomic_write_text(f"{cfg.out_dir}/explore.md", md + "\n")
         say(md + f"\nwrote {cfg.out_dir}/explore.md and explore.csv")
         cmd = launcher(d.world) + " ".join(["-m study.explore"] + flags(cfg))
-        if write_section(cfg.results, cfg.section, md, cmd, time.time() - t0,
+        # the wall time: this command's, or its runs' own where earlier invocations made them
+        if write_section(cfg.results, cfg.section, md, cmd, max(time.time() - t0, wall),
                          d.device, d.world):
             say(f"wrote the section {cfg.section} of {cfg.results}")
     say(f"study.explore took {fmt_duration(time.time() - t0)} ({torch.get_num_threads()} "
