@@ -570,12 +570,12 @@ def test_the_decision_rule_reaches_each_of_its_four_verdicts():
 
 def test_explore_reads_iterative_dpo_round_by_round_by_hand(tmp_path):
     rows = []
-    for seed, (sampled, eos, longer, first) in enumerate(((2000, 0.5, 1, -10.0),
+    for seed, (sampled, ended, longer, first) in enumerate(((2000, 0.5, 1, -10.0),
                                                           (4000, 0.7, 0, -20.0))):
         run = tmp_path / f"iterative-{seed}"
         (run / "round1/dpo").mkdir(parents=True)
         (run / "rounds.json").write_text(json.dumps({"rounds": [dict(
-            round=1, sampled=sampled, unfinished=sampled // 2, eos_rate=eos, kl=2.0 * (seed + 1),
+            round=1, sampled=sampled, unfinished=sampled // 2, eos_rate=ended, kl=2.0 * (seed + 1),
             true_reward=1.0)]}))
         pair = dict(prompt="p", chosen="a b" if longer else "a", rejected="c")
         (run / "round1/pairs.jsonl").write_text(
