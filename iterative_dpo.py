@@ -75,10 +75,12 @@ def sample_pairs(policy, tok, prompts, r, cfg, d):
     """Round r's cfg.pairs labelled pairs {"prompt", "chosen", "rejected"} from `policy`, and the
     counts of what was not labelled. The prompts, in an order seeded by (seed, round), are taken
     cfg.pairs at a time, two completions each; completion j of a batch draws its tokens from row j
-    of uniforms seeded by (seed, round, batch), on any rank, so any world size samples the same
-    pairs. A pair goes to the labeller only if both completions ended (EOS), hold some text and
-    differ, as every pair of the offline pool does: a cut one would be re-read as ending (data.py
-    adds the EOS), and an empty one is refused as data."""
+    of uniforms seeded by (seed, round, batch), and micro-batch k of the rows runs on rank
+    k mod world, so any world size samples the same rows in the same micro-batches: the same pairs
+    wherever the arithmetic is the same (one thread per rank against one thread). A pair goes to
+    the labeller only if both completions ended (EOS), hold some text and differ, as every pair of
+    the offline pool does: a cut one would be re-read as ending (data.py adds the EOS), and an
+    empty one is refused as data."""
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(
         cfg.seed + SEED_STRIDE * r)).tolist()
     kept, skipped, b = [], dict(unfinished=0, empty=0, identical=0), 0
@@ -92,9 +94,9 @@ def sample_pairs(policy, tok, prompts, r, cfg, d):
         n_new = policy.config.block_size - max(map(len, rows))
         U = torch.rand(len(rows), n_new, generator=torch.Generator().manual_seed(
             cfg.seed + SEED_STRIDE * r + 1 + b))
-        mine, out = list(range(d.rank, len(rows), d.world)), []
-        for i in range(0, len(mine), cfg.micro_batch_size):
-            j = mine[i:i + cfg.micro_batch_size]
+        mb, out = cfg.micro_batch_size, []
+        for j in [list(range(i, min(i + mb, len(rows)))) for i in range(0, len(rows), mb)][
+                d.rank::d.world]:  # whole micro-batches to each rank: the same rows on any world
             o = generate(policy, [rows[a] for a in j], n_new, tok.eos, tok.pad,
                          uniforms=U[j].to(d.device))
             texts, ended, _, _ = score_completions(o, [batch[a // 2] for a in j], tok, True, 0.0)

@@ -3269,8 +3269,14 @@ def test_iterative_rounds_cache_equals_live_and_chain_their_policies(tiny, dpo_c
 
 
 def test_iterative_two_ranks_sample_and_label_what_one_process_does(tiny, dpo_cache):  # noqa
-    one = iterative_cfg(tiny, "iterative-one", rounds=1)
-    iterative_dpo.main(one)
+    # the ranks run one thread each (torchrun_env): the one process too, so that the arithmetic
+    # of each micro-batch, and with it every sampled token, is the same
+    one, threads = iterative_cfg(tiny, "iterative-one", rounds=1), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        iterative_dpo.main(one)
+    finally:
+        torch.set_num_threads(threads)
     two = replace(one, out_dir=str(tiny.root / "iterative-two"))
     args = [a for k, v in asdict(two).items() if not isinstance(v, bool)
             for a in (f"--{k}", str(v))]
