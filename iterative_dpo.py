@@ -54,7 +54,9 @@ class Config:
     pairs: int = 1000  # labelled pairs per round: 4 × 1,000 is the offline pool's 4,000
     steps: int = 50  # dpo.py steps per round: 3.2 epochs of its pairs, as dpo.py's of the pool
     beta: float = 0.5  # the KL(π‖π_ref) constraint, as dpo.py's
-    rpo_alpha: float = 0.0  # dpo.py's NLL term on the chosen response (RPO), in every round
+    # dpo.py's NLL term on the chosen response (RPO), every round: at 0 the policy stops ending
+    # its completions within 3 rounds (RESULTS.md, Exploration), and round 4 finds too few pairs
+    rpo_alpha: float = 1.0
     lr: float = 1e-3  # each round's peak learning rate, warmup and cosine (dpo.py's)
     batch_size: int = 64  # pairs per step (dpo.py's)
     micro_batch_size: int = 64  # completions sampled per forward on one rank
@@ -87,7 +89,9 @@ def sample_pairs(policy, tok, prompts, r, cfg, d):
     while len(kept) < cfg.pairs:
         check(b < MAX_BATCHES, f"round {r + 1}: {MAX_BATCHES * cfg.pairs} prompts gave only "
               f"{len(kept)} pairs whose completions both ended, hold text and differ (pairs "
-              f"skipped: {skipped})")
+              f"skipped: {skipped})" + ("; the policy has stopped ending its completions, "
+                                        "which --rpo_alpha 1 prevents" if skipped["unfinished"]
+                                        > len(kept) else ""))
         batch = [prompts[order[(b * cfg.pairs + i) % len(order)]] for i in range(cfg.pairs)]
         rows = [data.truncate_prompt(data.encode_prompt(tok, p), policy.config.block_size // 2)
                 for p in batch for _ in range(2)]
