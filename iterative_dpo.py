@@ -11,7 +11,7 @@ Preference Learning from Human Feedback", and of Dong et al. 2024, "RLHF Workflo
      offline pool, standing in for a round of human labels;
   3. precompute: precompute.py's cache of log π_ref on the round's pairs, once per round;
   4. train: dpo.py, unchanged, on the round's pairs: the policy starts where the last round ended
-     (--init), the reference is still π_ref.
+     (--init), the reference is still π_ref, and its NLL term (--rpo_alpha 1) keeps EOS.
 What it buys back from online DPO: pairs from the policy being trained, at most a round old.
 What it keeps from offline DPO: the training job is dpo.py's, one model and a file. Sampling runs
 between rounds, as a batch job, so there is no rollout engine beside the trainer, no reward service
