@@ -164,12 +164,10 @@ def main(cfg):
           "reward, which scores only the task's text: pass its prompts (out/task/prompts_*.jsonl)")
     tok = data.load_tokenizer(tokenizer_beside(cfg.sft))
     # rounds.json: the config and each finished round's counts, so an interrupted run resumes at
-    # its first unfinished round (which dpo.py resumes from its own checkpoint); a field the
-    # recorded config lacks was added since, and that run had its default
+    # its first unfinished round (which dpo.py resumes from its own checkpoint)
     state_path, me = os.path.join(cfg.out_dir, "rounds.json"), asdict(cfg) | {"resume": None}
     state = json.loads(Path(state_path).read_text()) if os.path.exists(state_path) else {}
-    was = asdict(Config()) | {"resume": None} | state.get("config", {})
-    rounds = state.get("rounds", []) if cfg.resume and was == me else []
+    rounds = state.get("rounds", []) if cfg.resume and state.get("config") == me else []
     for r in range(cfg.rounds):
         folder, pairs_path, pc, dc = round_configs(cfg, r)
         if r < len(rounds):
