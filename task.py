@@ -111,6 +111,7 @@ def bradley_terry(u, r_a, r_b):
     drawn as u < σ(r_a - r_b) for a uniform u in [0, 1). Equal rewards are a coin flip."""
     return u < 1 / (1 + math.exp(r_b - r_a))
 
+
 def _words(text):
     """The words the hidden reward reads: runs of letters, lower-cased ("greatly" is one word)."""
     return re.findall(r"[a-z]+", text.lower())

@@ -132,17 +132,25 @@ def mean_interval(xs):
 
 
 def welch_interval(xs, ys):
-    """(d, low, high): d = mean(xs) − mean(ys) and its 95% Welch interval, d ± t(ν)·se, se² =
-    s_x²/n_x + s_y²/n_y and ν by Welch–Satterthwaite: the two sets of seeds may differ in number
-    and spread. (d, None, None) when either side has one seed; (d, d, d) when neither spreads."""
-    d = fmean(xs) - fmean(ys)
-    if len(xs) < 2 or len(ys) < 2:
+    """(d, low, high): d = mean(xs) − mean(ys) and its 95% Welch interval (contrast_interval of
+    the two): the two sets of seeds may differ in number and spread. (d, None, None) when either
+    side has one seed; (d, d, d) when neither spreads."""
+    return contrast_interval([(1, xs), (-1, ys)])
+
+
+def contrast_interval(groups):
+    """(d, low, high): d = Σ sign·mean(xs) over independent groups [(sign, xs)] of seeds, and its
+    95% interval d ± t(ν)·se, se² = Σ s²/n and ν by Welch–Satterthwaite, (Σ s²/n)² /
+    Σ (s²/n)²/(n − 1). Two groups (+1, xs), (−1, ys): Welch's interval; four: a difference in
+    differences, (a − b) − (c − e)."""
+    d = sum(sign * fmean(xs) for sign, xs in groups)
+    if any(len(xs) < 2 for _, xs in groups):
         return d, None, None
-    vx, vy = variance(xs) / len(xs), variance(ys) / len(ys)
-    if vx + vy == 0:
+    v = [variance(xs) / len(xs) for _, xs in groups]
+    if sum(v) == 0:
         return d, d, d
-    df = (vx + vy) ** 2 / (vx ** 2 / (len(xs) - 1) + vy ** 2 / (len(ys) - 1))
-    h = t_quantile(df) * math.sqrt(vx + vy)
+    df = sum(v) ** 2 / sum(vi ** 2 / (len(xs) - 1) for vi, (_, xs) in zip(v, groups))
+    h = t_quantile(df) * math.sqrt(sum(v))
     return d, d - h, d + h
 
 

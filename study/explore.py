@@ -28,12 +28,11 @@ above the section this writes, before any of these numbers were seen; verdict() 
 Writes out/explore/explore.md and explore.csv, and replaces the section "exploration" of --results.
 """
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import fmean, variance
+from statistics import fmean
 
 import torch
 
@@ -43,8 +42,8 @@ import iterative_dpo
 import online_dpo
 from plumbing import (atomic_write_text, check, fmt_duration, init_distributed, parse_config,
                       teardown)
-from study import compare
-from study.envelope import mean_interval, t_quantile
+from study import compare, envelope
+from study.envelope import mean_interval
 from study.results import flags, launcher, write_section
 from study.tables import write_csv
 
@@ -118,23 +117,6 @@ def budgets(stage, c, n_pool):
 # The contrasts
 
 
-def contrast_interval(groups):
-    """(d, low, high): d = Σ sign·mean(xs) over groups [(sign, xs)], its 95% interval d ± t(ν)·se,
-    se² = Σ s²/n (independent groups: each arm's seeds are its own runs) and ν by
-    Welch-Satterthwaite, (Σ s²/n)² / Σ (s²/n)²/(n − 1). Two groups (+1, xs), (−1, ys):
-    envelope.welch_interval. Four: the difference in differences, (a − o in one regime) − (a − o
-    in the other)."""
-    d = sum(sign * fmean(xs) for sign, xs in groups)
-    if any(len(xs) < 2 for _, xs in groups):
-        return d, None, None
-    v = [variance(xs) / len(xs) for _, xs in groups]
-    if sum(v) == 0:
-        return d, d, d
-    df = sum(v) ** 2 / sum(vi ** 2 / (len(xs) - 1) for vi, (_, xs) in zip(v, groups))
-    h = t_quantile(df) * math.sqrt(sum(v))
-    return d, d - h, d + h
-
-
 def counts(iv):
     """+1 when the interval lies above 0, −1 below, 0 when it holds 0 (or there is none)."""
     _, lo, hi = iv
@@ -190,7 +172,7 @@ def tables(rows, cfg, meta):
             rs = by(reg, arm)
             if not rs:
                 continue
-            diffs[reg][arm] = c = contrast_interval([(1, J(rs)), (-1, J(by(reg, "DPO")))])
+            diffs[reg][arm] = c = envelope.contrast_interval([(1, J(rs)), (-1, J(by(reg, "DPO")))])
             out.append(
                 f"| {NAMES.get(arm, arm)} | {rs[0]['labels']} | {rs[0]['steps']} | "
                 f"{f_iv(mean_interval([r['true_reward'] for r in rs]))} | "
@@ -202,7 +184,7 @@ def tables(rows, cfg, meta):
     text = "\n".join(out)
     if regs != ["default", "unseen"]:
         return text, None
-    dids = {a: contrast_interval([(1, J(by("unseen", a))), (-1, J(by("unseen", "DPO"))),
+    dids = {a: envelope.contrast_interval([(1, J(by("unseen", a))), (-1, J(by("unseen", "DPO"))),
                                   (-1, J(by("default", a))), (1, J(by("default", "DPO")))])
             for a in ARMS[1:]}
     lines = [f"#### J_{cfg.beta:g}, arm − offline DPO, and the difference in differences\n",

@@ -535,17 +535,17 @@ def test_explore_gives_the_four_dpo_arms_one_label_and_one_step_budget(tmp_path)
 
 def test_contrast_intervals_two_groups_are_welch_and_four_by_hand():
     xs, ys = [1.0, 2.0, 3.0, 6.0], [0.0, 1.0, 1.0, 2.0]
-    assert explore.contrast_interval([(1, xs), (-1, ys)]) == envelope.welch_interval(xs, ys)
+    assert envelope.contrast_interval([(1, xs), (-1, ys)]) == envelope.welch_interval(xs, ys)
     # four groups: means 3, 1, 2, 6 and s²/n = (14/3)/4, 2/2, 3/3, 4/4 = 7/6, 1, 1, 1
     a, b, c, e = [1.0, 2.0, 3.0, 6.0], [0.0, 2.0], [1.0, 1.0, 4.0], [5.0, 5.0, 5.0, 9.0]
-    d, lo, hi = explore.contrast_interval([(1, a), (-1, b), (-1, c), (1, e)])
+    d, lo, hi = envelope.contrast_interval([(1, a), (-1, b), (-1, c), (1, e)])
     assert d == pytest.approx(3 - 1 - 2 + 6)
     # se² = 7/6 + 3 = 25/6; ν = (25/6)² / ((7/6)²/3 + 1/1 + 1/2 + 1/3) = 1875/247 ≈ 7.59
     half = (hi - lo) / 2
     assert half == pytest.approx(envelope.t_quantile(1875 / 247) * math.sqrt(25 / 6))
     assert 2.306 < half / math.sqrt(25 / 6) < 2.365  # t's 97.5% point between 8 and 7 d.o.f.
-    assert explore.contrast_interval([(1, a), (-1, [2.0])]) == (1.0, None, None)
-    assert explore.contrast_interval([(1, [2.0, 2.0]), (-1, [1.0, 1.0])]) == (1.0, 1.0, 1.0)
+    assert envelope.contrast_interval([(1, a), (-1, [2.0])]) == (1.0, None, None)
+    assert envelope.contrast_interval([(1, [2.0, 2.0]), (-1, [1.0, 1.0])]) == (1.0, 1.0, 1.0)
 
 
 def test_the_decision_rule_reaches_each_of_its_four_verdicts():
