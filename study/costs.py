@@ -114,9 +114,9 @@ JOBS = {  # what each training job holds: (model, head, trains)
 LABEL = {"ppo": "PPO", "online_dpo": "online DPO", "dpo_live": "DPO, live π_ref",
          "dpo_cache": "DPO, cached log π_ref", "iterative_dpo": "iterative DPO",
          "precompute": "precompute (once)"}
-I = iterative_dpo.Config  # noqa: E741
+IT = iterative_dpo.Config  # iterative DPO's defaults: the round its cost row shares
 # the share of a round's sampling and precompute one of its steps carries: pairs / (steps · B)
-ITERATIVE_SHARE = I.pairs / (I.steps * I.batch_size)
+ITERATIVE_SHARE = IT.pairs / (IT.steps * IT.batch_size)
 # The 7B extrapolation: a GPT with Llama-2-7B's depth, width, heads and vocabulary (bias-free, tied
 # embeddings: 6.58B parameters against Llama's 6.74B, whose SwiGLU MLP has 3x11008 columns to our
 # 2x16384). Every sequence: prompt_len prompt tokens + the rest response, no padding.
@@ -391,7 +391,7 @@ def costs(cfg, d, say):
     if not d.is_main:
         return None
     for r in rounds:  # iterative DPO's step, composed of the measured parts it runs
-        pairs = ITERATIVE_SHARE * I.batch_size  # sampled and precomputed per step of the round
+        pairs = ITERATIVE_SHARE * IT.batch_size  # sampled and precomputed per step of the round
         ph = dict(sampling=pairs * r["online_dpo"]["phases"]["rollout"]
                   / online_dpo.Config.rollout_batch,
                   precompute=pairs * r["precompute"]["ms"] / n_pairs, step=r["dpo_cache"]["ms"])
@@ -405,7 +405,7 @@ def costs(cfg, d, say):
         peak = [r[job]["peak_bytes"] for r in rounds if "peak_bytes" in r[job]]
         res["jobs"][job] = dict(
             # 2 fp32 a pair: the pool's, or a round's pairs (and the val pairs)
-            models=mods, cache_bytes=8 * {"dpo_cache": n_pairs, "iterative_dpo": I.pairs + n_val
+            models=mods, cache_bytes=8 * {"dpo_cache": n_pairs, "iterative_dpo": IT.pairs + n_val
                                           }.get(job, 0),
             flops_analytic=iteration_flops(c, job, **shapes[job]), flops_counted=flops[job],
             units=units[job], peak_bytes=max(peak, default=None),
@@ -501,7 +501,7 @@ def costs_markdown(res, cfg):
               "online_dpo": (online_dpo.Config.rollout_batch, "pairs"),
               "dpo_live": (dpo.Config.batch_size, "pairs"),
               "dpo_cache": (dpo.Config.batch_size, "pairs"),
-              "iterative_dpo": (I.batch_size, "pairs"),
+              "iterative_dpo": (IT.batch_size, "pairs"),
               "precompute": (res["n_pairs"], "pairs (train + val)")}
     for job, (n, unit) in per_ex.items():
         t = J[job]["time"]
@@ -556,8 +556,8 @@ def costs_markdown(res, cfg):
         f"PPO against cached DPO: {ratios('ppo')}; online DPO against cached DPO: "
         f"{ratios('online_dpo')}; iterative DPO against cached DPO: {ratios('iterative_dpo')}. "
         "Iterative DPO's step is dpo.py's on pairs the policy sampled (so online DPO's pair "
-        f"shapes), plus its share, {ITERATIVE_SHARE:g} = {I.pairs} / ({I.steps} × "
-        f"{I.batch_size}), of its round's sampling and precompute: online DPO's rollout and "
+        f"shapes), plus its share, {ITERATIVE_SHARE:g} = {IT.pairs} / ({IT.steps} × "
+        f"{IT.batch_size}), of its round's sampling and precompute: online DPO's rollout and "
         "π_ref forward on the same pairs, counted and scaled by that share. A round whose "
         "completions do not end samples more prompts for its pairs (iterative_dpo.MAX_BATCHES): "
         "that is not counted here.", "",
@@ -572,7 +572,7 @@ def costs_markdown(res, cfg):
         "(meter.measure_peak_flops). HFU: the FLOPs actually executed (padding, full "
         "attention, recomputed scores included; meter.estimate_flops) over the same peak. "
         "MFU <= HFU <= 1. Iterative DPO's row is composed of measured ones, not timed alone: "
-        f"the cached DPO step plus its {ITERATIVE_SHARE * I.batch_size:g} pairs' share of a "
+        f"the cached DPO step plus its {ITERATIVE_SHARE * IT.batch_size:g} pairs' share of a "
         "round, at online DPO's rollout time per pair (sampling) and the precompute's time per "
         "pair.", "",
         f"The precompute ran π_ref once over the pairs: {gflop('precompute_train')} for the "
