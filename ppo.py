@@ -275,8 +275,8 @@ def iteration_metrics(s, steps, kl_coef):
 # --lr 1e-3, 0.27 at 1e-2 (still learning); 5.4 at 1e-1 and 283 at 1 (the policy collapsed).
 MAX_APPROX_KL = 1.0
 
-PHASES = ("batch", "rollout", "reward", "reference", "values", "rewards", "advantages",
-          "policy_forward", "loss", "update", "broadcast")
+PHASES = ("batch", "rollout", "reward", "reference", "old_logprobs", "values", "rewards",
+          "advantages", "policy_forward", "loss", "update", "broadcast")
 
 
 # ==== setup: ranks, device, inputs (a missing earlier stage is built with its defaults)
@@ -455,15 +455,18 @@ def experience(models, prompts, texts, it, kl_coef, cfg, d, tok, meter):
         ref_logp = sequence_logprobs(models.ref, tokens, full, mask, cfg.temperature)[:, P - 1:-1]
     meter.lap("reference")
 
-    # -- old log-probs and values: the trainer's own forward, and the critic's V before each
-    # token. Not the rollout engine's log-probs: a bf16 engine (or vLLM's kernels) gives other
-    # numbers for the same tokens, and PPO's ratio must start at exactly 1. The gap says how
-    # far apart they were.
+    # -- old log-probs: the trainer's own forward. Not the rollout engine's log-probs: a bf16
+    # engine (or vLLM's kernels) gives other numbers for the same tokens, and PPO's ratio must
+    # start at exactly 1. The gap says how far apart they were.
     with torch.no_grad(), autocast(d.device):
         old_logp, entropy = (t[:, P - 1:-1] for t in sequence_logprobs(  # (B, N) each
             policy, tokens, full, mask, cfg.temperature, entropy=True))
-        old_values = torch.where(rmask, critic(tokens, mask=mask)[:, P - 1:-1].float(), 0.0)
     gap = torch.where(rmask, (old_logp - ex["logprobs"][:, P:]).abs(), 0.0)
+    meter.lap("old_logprobs")
+
+    # -- values: the critic's V before each response token, GAE's baseline
+    with torch.no_grad(), autocast(d.device):
+        old_values = torch.where(rmask, critic(tokens, mask=mask)[:, P - 1:-1].float(), 0.0)
     meter.lap("values")
 
     # -- per-token rewards with the KL penalty: -β·(log π_old - log π_ref) on every token, and
