@@ -28,7 +28,7 @@ import task
 from checkpoint import (check_step, input_fingerprint, prepare_outputs, resume, save_checkpoint,
                         save_outputs, tokenizer_beside)
 from meter import Meter, estimate_flops, matmul_shapes, measure_peak_flops, model_flops
-from model import generate, load_model, score_at_last
+from model import IGNORE, generate, load_model, score_at_last
 from plumbing import (Logger, adamw, autocast, barrier, check, gathered, init_distributed, lr_at,
                       parse_config, reduce_sums, require_stage, set_lr, sharded, split_batch,
                       sync_grads, teardown, wrap)
@@ -76,12 +76,12 @@ def bt_loss(r_chosen, r_rejected):
 def pair_mask(targets, seq=None):
     """The mask score_at_last reads a pair batch's sequences with. A packed batch (seq): its
     sequence ids, so each is read at its own last token. A right-padded one: the real tokens (N,T)
-    from its targets: token t is a response token when targets[t-1] != -100 (position t-1 predicts
+    from its targets: token t is a response token when targets[t-1] != IGNORE (position t-1 predicts
     it); the prompt comes first."""
     if seq is not None:
         return seq
     m = torch.zeros_like(targets, dtype=torch.bool)
-    m[:, 1:] = targets[:, :-1] != -100
+    m[:, 1:] = targets[:, :-1] != IGNORE
     return m
 
 

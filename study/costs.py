@@ -32,7 +32,8 @@ import precompute
 import reward
 from checkpoint import tokenizer_beside
 from meter import count_flops, estimate_flops, generate_flops
-from model import GPT, GPTConfig, generate, load_model, pair_logps, score_at_last, sequence_logprobs
+from model import (IGNORE, GPT, GPTConfig, generate, load_model, pair_logps, score_at_last,
+                   sequence_logprobs)
 from plumbing import adamw, all_reduce_sum, init_distributed, parse_config, teardown, wrap
 from study.results import flags, launcher, write_section
 
@@ -185,7 +186,8 @@ def reference_flops(c, batches, pad):
     total = 0
     for rows in batches:
         b = data.collate_pairs(rows, pad)
-        total += estimate_flops(c, *b["input_ids"].shape, outputs=int((b["targets"] != -100).sum()))
+        K = int((b["targets"] != IGNORE).sum())
+        total += estimate_flops(c, *b["input_ids"].shape, outputs=K)
     return total
 
 
@@ -248,7 +250,7 @@ def measure_small(cfg, d, B=32):
                                                    tok.pad, generator=g))
         t, m = out["tokens"], out["mask"]  # (B, P + N)
         # the token each column predicts, where it is a sampled one (ppo.py's `full`)
-        tg = F.pad(t[:, 1:].masked_fill(~out["response_mask"][:, 1:], -100), (0, 1), value=-100)
+        tg = F.pad(t[:, 1:].masked_fill(~out["response_mask"][:, 1:], IGNORE), (0, 1), value=IGNORE)
         _, f_rm = count_flops(lambda: rm(t, mask=m))
         _, f_rc = count_flops(lambda: (sequence_logprobs(policy, t, tg, m),
                                        sequence_logprobs(ref, t, tg, m), critic(t, mask=m)))
@@ -283,9 +285,9 @@ def measure_small(cfg, d, B=32):
              # the same sampled pairs trained by dpo.py; the round's work counted, then shared
              "iterative_dpo": {"rollout": ITERATIVE_SHARE * f_o_roll,
                                "precompute": ITERATIVE_SHARE * f_o_ref, "policy": f_o_pol}}
-    K_dpo, K_ppo = int((y != -100).sum()), int(out["response_mask"].sum())
+    K_dpo, K_ppo = int((y != IGNORE).sum()), int(out["response_mask"].sum())
     shapes = {"ppo": dict(B=B, T=t.shape[1], K=K_ppo, P=P, epochs=ppo.Config.ppo_epochs),
-              **{job: dict(B=B, T=xo.shape[1], K=int((yo != -100).sum()), P=P,
+              **{job: dict(B=B, T=xo.shape[1], K=int((yo != IGNORE).sum()), P=P,
                            L=on["tokens"].shape[1], **extra)
                  for job, extra in (("online_dpo", {}),
                                     ("iterative_dpo", dict(share=ITERATIVE_SHARE)))},
