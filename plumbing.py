@@ -235,6 +235,7 @@ FLAG_RANGES = {
     **dict.fromkeys(("min_lr_frac", "gamma", "lam"), "[0, 1]"),
     "dropout": "[0, 1)", "check_at": "(0, 1)", "label_smoothing": "[0, 0.5)",
     "temperature": "[0.1, inf)",
+    "group_size": "[2, inf)",  # a group's mean is its baseline: one completion alone has none
     "missing_eos_score": "(-inf, inf)",
 }
 

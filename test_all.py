@@ -52,6 +52,7 @@ import checkpoint
 import data
 import dpo
 import evaluate
+import grpo
 import iterative_dpo
 import meter
 import online_dpo
@@ -1654,7 +1655,7 @@ def outside(interval, is_int):
 
 def test_every_numeric_flag_of_every_stage_is_checked_before_any_work(tmp_path, capsys):
     from study import compare, costs, figure, gpu, kv_cache, tune
-    configs = [m.Config for m in (sft, reward, precompute, dpo, ppo, online_dpo, evaluate,
+    configs = [m.Config for m in (sft, reward, precompute, dpo, ppo, grpo, online_dpo, evaluate,
                                   compare, costs, figure, gpu, kv_cache, tune)]
     checked = 0
     for cls in configs:
@@ -2394,16 +2395,21 @@ def loop_headers(path):
 
 def test_loops_share_one_skeleton():
     d, p = loop_headers(dpo.__file__), loop_headers(ppo.__file__)
-    o = loop_headers(online_dpo.__file__)
-    # DPO ⊂ online DPO ⊂ PPO: the smaller file's headers are the bigger one's in the same order,
-    # some deleted (`x in rest` consumes)
-    for small, big in ((d, p), (d, o), (o, p)):
+    o, g = loop_headers(online_dpo.__file__), loop_headers(grpo.__file__)
+    # DPO ⊂ online DPO ⊂ GRPO ⊂ PPO: the smaller file's headers are the bigger one's in the same
+    # order, some deleted (`x in rest` consumes)
+    for small, big in ((d, p), (d, o), (o, p), (o, g), (g, p)):
         rest = iter(big)
         assert len(small) >= 12 and all(h in rest for h in small), (small, big)
     core = ["# -- batch", "# -- reference log-probs", "# -- policy forward", "# -- loss",
             "# -- update"]
-    for heads in (d, p, o):  # the shared core, in this order, in all three
+    for heads in (d, p, o, g):  # the shared core, in this order, in all four
         assert [h for h in heads if h in core] == core
+    # grpo.py deletes PPO's values and per-token rewards, and its docstring names both
+    gone = [h for h in p if h not in g]
+    assert gone == ["# -- values", "# -- per-token rewards with the KL penalty"]
+    for h in gone:
+        assert h.split(" ", 2)[2] in " ".join(grpo.__doc__.split()), h
     # online_dpo.py's docstring names, by name, what returns from PPO and what stays deleted
     for h in [h for h in o if h not in d] + [h for h in p if h not in o]:
         assert h.split(" ", 2)[2] in " ".join(online_dpo.__doc__.split()), h
@@ -2911,6 +2917,216 @@ def test_ppo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, ti
     assert 0 < m["mfu"] < m["mfu_hardware"]
     for k in ("loss/policy", "loss/value", "grad_norm"):
         assert abs(runs[1][k] - runs[2][k]) <= DPO_TOL * max(1, abs(runs[1][k])), k
+
+
+# ==================================================================================================
+# GRPO: the group advantage, the k3 KL term and the loss against closed forms and an analytic
+# gradient; the first ratio is 1; two ranks equal one; resumed equals uninterrupted (grpo.py)
+# ==================================================================================================
+
+def test_group_advantages_standardise_each_group_of_consecutive_rows():
+    scores = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0], dtype=torch.float64)
+    # group 1: mean 3, unbiased std sqrt((4 + 1 + 0 + 9) / 3); group 2: all equal, so 0, not NaN
+    std = math.sqrt(14 / 3)
+    want = [-2 / (std + 1e-4), -1 / (std + 1e-4), 0.0, 3 / (std + 1e-4), 0.0, 0.0, 0.0, 0.0]
+    got = grpo.group_advantages(scores, 4)
+    assert got.tolist() == pytest.approx(want, abs=1e-12) and not got.isnan().any()
+    # Dr. GRPO's: the mean subtracted, no std division
+    assert grpo.group_advantages(scores, 4, scale=False).tolist() == [-2, -1, 0, 3, 0, 0, 0, 0]
+    # random groups of 8: zero mean and unit (unbiased) std per group, up to ε / std
+    g = torch.Generator().manual_seed(0)
+    x = 3 + 5 * torch.randn(6 * 8, generator=g, dtype=torch.float64)
+    a = grpo.group_advantages(x, 8).view(6, 8)
+    assert a.mean(1).abs().max() < 1e-12
+    assert (a.std(1) - 1).abs().max() < 1e-4  # std / (std + 1e-4) with std ~ 5
+    with pytest.raises(SystemExit, match="--group_size must be at least 2"):
+        grpo.group_advantages(scores, 1)
+
+
+def test_grpo_loss_hand_worked():
+    # two completions of lengths 1 and 2 (the second row's column 3 is padding). Row 0: ρ = 1.5
+    # with A = +1, so the clip holds it at 1.2; π_ref/π = 2 on its token, k3 = 2 - ln 2 - 1. Row 1:
+    # ρ = 1 on both tokens, A = -2; π_ref/π = 2 on its first token, 1 on its second (k3 = 0).
+    mask = prefix_mask([1, 2], 3)
+    logp = torch.tensor([[-1.0, 0.0, 0.0], [-2.0, -0.5, 0.0]], dtype=torch.float64)
+    old = logp.clone()
+    old[0, 0] = -1.0 - math.log(1.5)
+    ref = logp.clone()
+    ref[0, 0] += math.log(2)
+    ref[1, 0] += math.log(2)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    k3 = 1 - math.log(2)
+    beta = 0.5
+    row0 = -1.2 + beta * k3  # one token
+    row1 = (2.0 + 2.0 + beta * (k3 + 0.0)) / 2  # the mean over its two tokens (Eq. 3's 1/|o_i|)
+    loss, clipfrac, approx_kl, kl = grpo.grpo_loss(logp, old, ref, adv, mask, 0.2, beta, 2)
+    assert loss.item() == pytest.approx((row0 + row1) / 2, abs=1e-12)
+    assert clipfrac.item() == pytest.approx(1 / 3)  # one of three tokens held by the clip
+    assert approx_kl.item() == pytest.approx((0.5 - math.log(1.5)) / 3, abs=1e-12)
+    assert kl.item() == pytest.approx(2 * k3 / 3, abs=1e-12)
+    # n is the global minibatch's count of completions, not this call's
+    assert grpo.grpo_loss(logp, old, ref, adv, mask, 0.2, beta, 8)[0].item() == pytest.approx(
+        (row0 + row1) / 8, abs=1e-12)
+
+
+def test_grpo_loss_gradient_against_analytic():
+    # d loss / d log π per token: (1/n)(1/|o_i|)·[-A·ρ where the unclipped branch is the max, else
+    # 0, plus β·(1 - π_ref/π)] (k3 = r - log r - 1 with r = π_ref/π: dr/dlog π = -r)
+    g = torch.Generator().manual_seed(1)
+    B, N, n, beta, eps = 5, 7, 9, 0.3, 0.2
+    mask = prefix_mask([7, 3, 1, 5, 6], N)
+    logp = -torch.rand(B, N, generator=g, dtype=torch.float64)
+    old = logp + 0.4 * torch.randn(B, N, generator=g, dtype=torch.float64)  # some ratios clipped
+    ref = logp + 0.5 * torch.randn(B, N, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.5, -0.7, 2.0, -1.1, 0.3], dtype=torch.float64)
+    x = logp.clone().requires_grad_(True)
+    grpo.grpo_loss(x, old, ref, adv, mask, eps, beta, n)[0].backward()
+    ratio, r, A = (logp - old).exp(), (ref - logp).exp(), adv[:, None]
+    unclipped = -A * ratio >= -A * ratio.clamp(1 - eps, 1 + eps)
+    assert not unclipped[mask].all()  # the clipped branch is exercised
+    per_token = torch.where(unclipped, -A * ratio, 0.0) + beta * (1 - r)
+    want = torch.where(mask, per_token / mask.sum(1, keepdim=True) / n, 0.0)
+    torch.testing.assert_close(x.grad, want, rtol=1e-10, atol=1e-12)
+
+
+def test_grpo_kl_term_is_k3_of_kl_pi_to_ref_nonnegative_and_unbiased():
+    # completions of one token sampled from π over 3 categories; with A = 0 and ρ = 1 the loss is
+    # β times the mean k3, which must estimate KL(π‖π_ref) = 0.7 ln 14 + 0.2 ln(4/3) + 0.1 ln(1/8),
+    # not KL(π_ref‖π) = 0.05 ln(1/14) + 0.15 ln(3/4) + 0.8 ln 8
+    g = torch.Generator().manual_seed(4)
+    p = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64).log()
+    q = torch.tensor([0.05, 0.15, 0.8], dtype=torch.float64).log()
+    forward = 0.7 * math.log(14) + 0.2 * math.log(4 / 3) + 0.1 * math.log(1 / 8)
+    backward = 0.05 * math.log(1 / 14) + 0.15 * math.log(3 / 4) + 0.8 * math.log(8)
+    x = torch.multinomial(p.exp(), 200_000, replacement=True, generator=g)
+    M = len(x)
+    mask = torch.ones(M, 1, dtype=torch.bool)
+    lp, lq, zero = p[x][:, None], q[x][:, None], torch.zeros(M, dtype=torch.float64)
+    loss, _, _, kl = grpo.grpo_loss(lp, lp, lq, zero, mask, 0.2, 1.0, M)
+    k3 = (lq - lp).exp() - (lq - lp) - 1
+    se = k3.std().item() / math.sqrt(M)
+    assert abs(loss.item() - forward) < 5 * se and abs(kl.item() - forward) < 5 * se
+    assert abs(forward - backward) > 20 * se
+    # never negative, on a grid of log-prob pairs
+    a, b = torch.meshgrid(torch.linspace(-30, 0, 121, dtype=torch.float64),
+                          torch.linspace(-30, 0, 121, dtype=torch.float64), indexing="ij")
+    m = torch.ones(a.numel(), 1, dtype=torch.bool)
+    each = [grpo.grpo_loss(u.reshape(1, 1), u.reshape(1, 1), v.reshape(1, 1),
+                           torch.zeros(1, dtype=torch.float64), m[:1], 0.2, 1.0, 1)[0]
+            for u, v in zip(a.flatten()[::37], b.flatten()[::37])]
+    assert all(v.item() >= 0 for v in each)
+
+
+def test_grpo_oracle_scores_are_bradley_terry_wins_within_the_group():
+    # one group of 3, hidden rewards 2, 0, 0. Pair (0,1): u 0.0 < σ(2), 0 wins; pair (0,2): u 0.99
+    # > σ(2) = 0.88, 2 wins; pair (1,2): u 0.7 > σ(0) = 0.5, 2 wins. Wins 1, 0, 2 of 2 each.
+    u = torch.zeros(1, 3, 3)
+    u[0, 0, 1], u[0, 0, 2], u[0, 1, 2] = 0.0, 0.99, 0.7
+    got = grpo.oracle_scores(torch.tensor([2.0, 0.0, 0.0]), u, 3)
+    assert got.tolist() == [0.5, 0.0, 1.0]
+    # each group reads its own draw, u 0.9 for both: σ(0 - 5) < 0.9, so the first group's second
+    # wins; σ(5 - 0) = 0.993 > 0.9, so the second group's first wins
+    u2 = torch.full((2, 2, 2), 0.9)
+    assert grpo.oracle_scores(torch.tensor([0.0, 5.0, 5.0, 0.0]), u2, 2).tolist() == [
+        0.0, 1.0, 1.0, 0.0]
+
+
+def test_grpo_reward_service_scores_an_unfinished_completion_missing_eos_score(tiny):
+    # three completions of one prompt, the second cut by the block (no EOS): the hidden reward
+    # scores the finished ones, missing_eos_score (-1) replaces the unfinished one's
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    texts = ["the movie was great ."]
+    ys = [" the plot is good .", " i loved the music .", " the cast is bad ."]
+    ids = [tok.encode(y) + [tok.eos] for y in ys]
+    ids[1] = ids[1][:-1]  # no EOS
+    N = max(map(len, ids))
+    resp = torch.tensor([y + [tok.pad] * (N - len(y)) for y in ids])
+    rmask = prefix_mask([len(y) for y in ids], N)
+    ro = dict(resp=resp, rmask=rmask, tokens=resp, mask=rmask)
+    cfg = grpo.Config(reward="true", rollout_batch=3, group_size=3)
+    mine, has_eos, scores = grpo.score(None, ro, texts, [0, 0, 0], 0, tok, cfg, init_distributed())
+    assert has_eos.tolist() == [True, False, True]
+    want = [tasks.true_reward(texts[0], ys[0]), -1.0, tasks.true_reward(texts[0], ys[2])]
+    assert mine.tolist() == pytest.approx(want) and scores.tolist() == pytest.approx(want)
+    assert want[0] > 0 > want[2]  # the finished ones score their words, not the penalty
+
+
+def tiny_grpo_config(tiny, rm, out, test_prompts, **kw):
+    base = dict(out_dir=str(out), sft=f"{tiny.sft}/model.safetensors", reward_model=rm,
+                prompts=f"{tiny.task}/prompts_train.jsonl", test_prompts=test_prompts, iterations=3,
+                rollout_batch=8, group_size=4, mini_batch=4, micro_batch_size=2, ppo_epochs=2,
+                eval_k=1)
+    return grpo.Config(**{**base, **kw})
+
+
+def test_grpo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, tiny_rm, tmp_path):
+    # ppo.py's test for GRPO: one epoch of one minibatch, so the update's forward sees the weights
+    # that made the old log-probs: ratio 1, nothing clipped; and the micro-batching (4 of 2 rows,
+    # 8 of 1, 1 of 8) changes neither the loss nor the gradient norm
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the movie is"}) + "\n")
+    runs, rm = [], str(tiny_rm / "model.safetensors")
+    for micro in (2, 1, 8):
+        cfg = tiny_grpo_config(tiny, rm, tmp_path / f"grpo{micro}", str(prompts))
+        grpo.main(replace(cfg, iterations=1, mini_batch=8, ppo_epochs=1, micro_batch_size=micro))
+        runs.append(read_metrics(cfg.out_dir)[0])
+    m = runs[0]
+    assert m["clipfrac"] == 0 and m["approx_kl"] < 1e-8 and m["adv_abs"] > 0.1
+    assert m["loss/kl"] < 1e-8  # π = π_ref before the first step: k3 is 0
+    for k in ("loss/policy", "grad_norm"):
+        assert abs(runs[1][k] - runs[2][k]) <= DPO_TOL * max(1, abs(runs[1][k])), k
+    assert json.loads((tmp_path / "grpo2" / "eval.json").read_text())["group_size"] == 4
+
+
+def test_grpo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_test_prompts, tmp_path):
+    # 12 completions in groups of 4: rank 0 holds group 1 and half of group 2, so the group
+    # baselines must read the other rank's scores. The oracle's draws compare within groups too.
+    # One minibatch, 2 epochs, lr 3e-3: the second epoch clips, so the clip's normalisation shows.
+    rm = str(tiny_rm / "model.safetensors")
+    one = tiny_grpo_config(tiny, rm, tmp_path / "grpo1", ppo_test_prompts, iterations=1,
+                           rollout_batch=12, mini_batch=12, reward="oracle", lr=3e-3)
+    grpo.main(one)
+    two = replace(one, out_dir=str(tmp_path / "grpo2"))
+    run_torchrun("grpo.py", [f"--{k}={v}" for k, v in vars(two).items() if not isinstance(v, bool)])
+    (a,), (b,) = read_metrics(one.out_dir), read_metrics(two.out_dir)
+    for k in ("response_len", "eos_rate", "true_reward"):  # the same rollouts
+        assert a[k] == b[k], k
+    assert a["clipfrac"] > 0 and a["approx_kl"] > 1e-4
+    assert a["score"] == pytest.approx(0.5)  # the oracle's: each pair of a group gives one win
+    for k in ("score", "adv_abs", "entropy", "kl", "loss/policy", "loss/kl", "approx_kl",
+              "clipfrac", "grad_norm"):
+        assert abs(a[k] - b[k]) <= TWO_RANK_TOL * max(1, abs(a[k])), k
+    eb = json.loads(open(os.path.join(two.out_dir, "eval.json")).read())
+    assert set(eb["time_shares"]) == set(grpo.PHASES)
+
+
+def test_grpo_resumed_equals_uninterrupted(tiny, tiny_rm, ppo_test_prompts, tmp_path):
+    rm = str(tiny_rm / "model.safetensors")
+    for name, extra in [("full", {}), ("split", {"stop_after": 2})]:
+        grpo.main(tiny_grpo_config(tiny, rm, tmp_path / name, ppo_test_prompts, reward="true",
+                                   **extra))
+    grpo.main(tiny_grpo_config(tiny, rm, tmp_path / "split", ppo_test_prompts, reward="true"))
+    a, b = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("full", "split"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [read_metrics(tmp_path / n) for n in ("full", "split")]
+    assert [r["step"] for r in rows[0]] == [1, 2, 3]
+    strip = lambda r: {k: v for k, v in r.items()  # noqa: E731
+                       if not k.startswith(("time/", "share/", "tokens_per", "mfu"))}
+    assert [strip(r) for r in rows[0]] == [strip(r) for r in rows[1]]
+
+
+def test_grpo_refuses_bad_values_before_any_work(tmp_path):
+    for args, says in ((["--group_size", "1"], "error: --group_size 1 is outside its allowed "
+                        "values [2, inf)"),
+                       (["--reward", "bt"], "error: --reward must be 'model', 'true' or 'oracle', "
+                        "not 'bt'"),
+                       (["--rollout_batch", "30"], "error: --rollout_batch 30 is not a multiple "
+                        "of --group_size 4")):
+        out = tmp_path / "never"
+        p = subprocess.run([sys.executable, os.path.join(HERE, "grpo.py"), *args, "--out_dir",
+                            str(out)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert p.returncode != 0 and not out.exists(), p.stderr
+        assert p.stderr.strip() == says, p.stderr
 
 
 # ==================================================================================================
