@@ -426,7 +426,7 @@ def test_kv_cache_benchmark_checks_its_tokens_and_writes_its_line(tmp_path):
     assert "64 new tokens, batch 16, prompt 16," in text and "faster with the cache" in text
 
 
-def test_eos_study_reads_each_run_and_its_eos_logprob_by_hand(tiny, dpo_cache, tmp_path):  # noqa: F811
+def test_eos_study_reads_each_run_and_its_eos_logprob_by_hand(tiny, dpo_cache, tmp_path):
     base = dpo_cfg(tiny, "unused", steps=2, eval_k=1)
     cfg = eos.Config(betas="1", alphas="0,1", seeds="1,2", out_dir=str(tmp_path / "eos"),
                      results=str(tmp_path / "RESULTS.md"))
