@@ -16,7 +16,11 @@ Report, as in Figure 2 of the DPO paper:
   win_rate      P(score of π's completion > score of π_ref's, same prompt), ties count half
 and what a reward that pays for words could hide: eos_rate (share of completions that emitted EOS),
 response_len (mean tokens of a completion, EOS included), true_reward_finished (mean true reward of
-the completions that emitted EOS; null if none did); ref_* the same for π_ref.
+the completions that emitted EOS; null if none did), in_language (share of completions that emitted
+EOS and are texts of the task's language, task.in_language: the share the hidden reward pays in
+full); ref_* the same for π_ref. With r_φ (--reward_model; a loop's cfg.reward_model), also
+reward_model_score: r_φ's mean score by the same rule, the proxy PPO and online DPO optimise, beside
+the true reward, so that over-optimisation shows where it happens.
 The hidden reward belongs to the built-in task: on prompts its generator cannot write (a user's
 data), true_reward, win_rate and their ref_ twins are left out, `true_reward_omitted` says why, and
 kl, eos_rate and response_len stay.
@@ -32,8 +36,8 @@ import torch.nn.functional as F
 
 import data
 import task
-from checkpoint import atomic_write_json, tokenizer_beside
-from model import IGNORE, generate, load_model, sequence_logprobs
+from checkpoint import atomic_write_json, require_same_tokenizer, tokenizer_beside
+from model import IGNORE, generate, load_model, score_at_last, sequence_logprobs
 from plumbing import SEED_STRIDE, gathered, init_distributed, parse_config, reduce_sums, teardown
 
 # A completion that never emitted EOS (the block ran out) scores this, whatever its words: the rule
@@ -63,13 +67,26 @@ def score_completions(out, prompts, tok, hidden, missing_eos_score):
     return texts, ended, r, torch.where(ended, r, missing_eos_score)
 
 
+def load_reward_model(path, tok, device):
+    """r_φ from `path` for reward_model_score, or None where there is none to read: no path (DPO's
+    runs), no such file (online DPO labelling by the true reward, r_φ never built), or an r_φ
+    trained with another tokenizer than π_ref's (it would read the policy's ids as other words)."""
+    beside = os.path.join(os.path.dirname(path), "tokenizer.json")
+    if not (path and os.path.exists(path) and os.path.exists(beside)):
+        return None
+    if data.load_tokenizer(beside).tk.to_str() != tok.tk.to_str():
+        return None
+    return load_model(path, device, head="scalar")[0].eval()
+
+
 @torch.no_grad()
 def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_samples=3,
-                    missing_eos_score=MISSING_EOS_SCORE, pool_best=None):
+                    missing_eos_score=MISSING_EOS_SCORE, pool_best=None, reward_model=None):
     """Sample, score and compare on `prompts` (a list of strings), sharded over ranks. Returns the
     eval fields (docs/DESIGN.md, "Contracts between stages"); `samples` holds the first few prompts
     with both models' completions. pool_best (task_pool_best): also the share of completions scored
-    above it, "beyond_pool": behaviour the training pairs never showed (task.fraction_beyond)."""
+    above it, "beyond_pool": behaviour the training pairs never showed (task.fraction_beyond).
+    reward_model (r_φ): also its mean score, "reward_model_score", by the missing-EOS rule."""
     was_training = policy.training
     policy.eval(), ref.eval()
     block = policy.config.block_size
@@ -98,10 +115,16 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
             for side, o in zip(("", "ref_"), outs):
                 texts, ended, r, score = score_completions(o, [p for p, _ in chunk], tok, hidden,
                                                            missing_eos_score)
+                if reward_model is not None:  # r_φ's reading at the last token, as PPO's
+                    rm = score_at_last(reward_model(o["tokens"], mask=o["mask"]).double(),
+                                       o["mask"]).cpu()
+                    new[side + "rm"] = torch.where(ended, rm, missing_eos_score).sum()
                 new |= {side + "eos": ended.sum(), side + "len": o["response_mask"].sum(),
                         side + "score": score.sum(), side + "score2": (score * score).sum(),
                         side + "finished": torch.where(ended, r, 0.0).sum(),
                         side + "top": float(sum(map(task.has_top_word, texts))),
+                        side + "lang": float(sum(e and task.in_language(p, y) for (p, _), y, e
+                                                 in zip(chunk, texts, ended.tolist()))),
                         **({side + "beyond": (score > pool_best).sum()} if pool_best is not None
                            else {})}
                 sides.append((texts, ended, score))
@@ -131,13 +154,16 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
                 "win_rate": s["wins"] / n, "true_reward_finished": finished(""),
                 "ref_true_reward_finished": finished("ref_"),
                 # how often the task's best words appear: what an exploring policy raises
-                "top_word_rate": s["top"] / n, "ref_top_word_rate": s["ref_top"] / n}
+                "top_word_rate": s["top"] / n, "ref_top_word_rate": s["ref_top"] / n,
+                "in_language": s["lang"] / n, "ref_in_language": s["ref_lang"] / n}
         if pool_best is not None:
             res |= {"pool_best": pool_best, "beyond_pool": s["beyond"] / n,
                     "ref_beyond_pool": s["ref_beyond"] / n}
     else:
         res["true_reward_omitted"] = ("the prompts are not the built-in task's (its generator "
                                       "cannot write them): its hidden reward means nothing there")
+    if reward_model is not None:
+        res |= {"reward_model_score": s["rm"] / n, "ref_reward_model_score": s["ref_rm"] / n}
     return {**res, "eos_rate": s["eos"] / n, "response_len": s["len"] / n,
             "ref_eos_rate": s["ref_eos"] / n, "ref_response_len": s["ref_len"] / n,
             "n_completions": int(n), "samples": samples}
@@ -207,10 +233,15 @@ def evaluate_mixture(policies, weights, ref, tok, prompts, d, k=4, batch_size=64
 def evaluate_held_out(policy, ref, tok, cfg, d, **kw):
     """A stage's last evaluation: evaluate_policy on cfg.test_prompts, the numbers it reports, and,
     when cfg.val_prompts is given, on those too, kept under "val" (samples left out). A study
-    chooses its settings by "val" and reports the rest, so nothing it reports was tuned on."""
+    chooses its settings by "val" and reports the rest, so nothing it reports was tuned on. A loop
+    with an r_φ (cfg.reward_model: PPO's, online DPO's) has its completions scored by it too, read
+    from the file in full precision, as the frozen copy the loop trains against may not be."""
+    reward_model = load_reward_model(getattr(cfg, "reward_model", ""), tok, d.device)
+
     def on(path):
         return evaluate_policy(policy, ref, tok, data.read_prompts(path), d, k=cfg.eval_k,
-                               pool_best=task.task_pool_best(path), **kw)
+                               pool_best=task.task_pool_best(path), reward_model=reward_model,
+                               **kw)
     ev = on(cfg.test_prompts)
     if cfg.val_prompts:
         ev["val"] = {k: v for k, v in on(cfg.val_prompts).items() if k != "samples"}
@@ -248,20 +279,25 @@ class Config:
     k: int = 4  # completions per prompt from each model
     seed: int = 0  # sampling seed (the same completions on any world size)
     missing_eos_score: float = MISSING_EOS_SCORE  # score of a completion without EOS (PPO's rule)
+    reward_model: str = ""  # r_φ whose mean score of the completions is reported too ("": none)
     out: str = ""  # write the result as JSON here ("" = print only)
 
 
 def main(cfg):
     d = init_distributed()
-    for path in (cfg.policy, cfg.ref, cfg.prompts):
-        if not os.path.exists(path):
+    for path in (cfg.policy, cfg.ref, cfg.prompts, cfg.reward_model):
+        if path and not os.path.exists(path):
             raise SystemExit(f"error: {path} does not exist")
-    tok = data.load_tokenizer(tokenizer_beside(cfg.ref, "--ref"))
+    tok_path = tokenizer_beside(cfg.ref, "--ref")
+    if cfg.reward_model:  # asked for by name: a wrong one is an error, not a missing field
+        require_same_tokenizer(cfg.reward_model, "--reward_model", tok_path)
+    tok = data.load_tokenizer(tok_path)
     policy, _ = load_model(cfg.policy, d.device)
     ref, _ = load_model(cfg.ref, d.device)
     res = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.prompts), d, k=cfg.k,
                           seed=cfg.seed, missing_eos_score=cfg.missing_eos_score,
-                          pool_best=task.task_pool_best(cfg.prompts))
+                          pool_best=task.task_pool_best(cfg.prompts),
+                          reward_model=load_reward_model(cfg.reward_model, tok, d.device))
     if d.is_main:
         print_samples(res, print)
         print(summary(res))

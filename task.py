@@ -113,14 +113,54 @@ def bradley_terry(u, r_a, r_b):
 
 
 def _words(text):
-    """The words the hidden reward reads: runs of letters, lower-cased ("greatly" is one word)."""
+    """The words has_top_word reads: runs of letters, lower-cased ("greatly" is one word)."""
     return re.findall(r"[a-z]+", text.lower())
 
+# What a malformed sentence earns instead of its words' weights. Below 0, so a sentence off the
+# language never adds reward and a completion made only of them scores below pi_ref's mean (0: the
+# reward is symmetric about it); one unit, as much as a completion that never emitted EOS loses
+# (evaluate.MISSING_EOS_SCORE), so both ways of leaving the language cost alike, while a valid
+# sentence's worth (-4 to +4) still ranks the completions that stay in it.
+MALFORMED_SCORE = -1.0
+
+def _split(text):
+    """text_logprob's reading of a text: its words (one space apart) cut after each "." into
+    sentences. Returns (sentences, the words after the last ".")."""
+    words, sentences = text.split(" "), []
+    while "." in words:
+        i = words.index(".") + 1
+        sentences.append(words[:i])
+        words = words[i:]
+    return sentences, words
+
+def _template(sentence):
+    """The template (as a list of words and slots) that a sentence's words fill, or None."""
+    return next((t for t in map(str.split, TEMPLATES)
+                 if len(t) == len(sentence) and all(map(_fits, sentence, t))), None)
+
 def true_reward(prompt, response):
-    """The hidden reward: the sum of the response's word weights (unknown words and junk score 0).
-    Labels the pairs and scores evaluations; DPO never calls it. The prompt does not count: for one
-    prompt it would shift every completion's reward by the same amount."""
-    return float(sum(WEIGHTS.get(w, 0.0) for w in _words(response)))
+    """The hidden reward, read sentence by sentence as text_logprob reads prompt + response: a
+    sentence that fills a template earns its words' weights; one that does not (chained
+    adjectives, a wrong slot word, junk, words left without a closing ".", the first word glued to
+    the prompt's, or no sentence at all), and one past the MAX_SENTENCES-th of the whole text,
+    earns MALFORMED_SCORE instead. Every response the generator writes is in the language, so there
+    it is the plain sum of its word weights. Labels the pairs and scores evaluations; DPO never
+    calls it. The prompt's words do not count (for one prompt they would shift every completion's
+    reward alike); its sentences do, towards MAX_SENTENCES."""
+    body = response[1:] if response.startswith(" ") else response  # the space after the prompt
+    sentences, rest = _split(body)
+    sentences += [rest] * bool(rest)  # words without a period, or "" for an empty response
+    start = len(_split(prompt)[0])
+    glued = bool(prompt) and not response.startswith(" ")
+    return float(sum(sum(WEIGHTS.get(w, 0.0) for w in s)
+                     if start + i < MAX_SENTENCES and not (glued and i == 0) and _template(s)
+                     else MALFORMED_SCORE for i, s in enumerate(sentences)))
+
+def in_language(prompt, response):
+    """Whether a completion is one the task's generator could write after its prompt: at least one
+    sentence, and prompt + response a text of the language (text_logprob finite). For a prompt of
+    the task, exactly the completions on which true_reward charges no MALFORMED_SCORE."""
+    return response != "" and math.isfinite(text_logprob(prompt + response))
 
 def has_top_word(text):
     """Whether a text holds a top word (TOP_WORDS) as a word the hidden reward scores."""
@@ -142,19 +182,14 @@ def _fits(word, slot):
 def text_logprob(text, p_values=P_VALUES):
     """Exact log P(text) under the generator, marginal over the latent p (uniform over p_values):
     log sum_p P(p) * prod_slots P(word | p) * P(templates) * P(length); -inf off the language."""
-    words, sentences = text.split(" "), []
-    while words and "." in words:
-        i = words.index(".") + 1
-        sentences.append(words[:i])
-        words = words[i:]
+    sentences, rest = _split(text)
     n = len(sentences)
-    if words or not 2 <= n <= MAX_SENTENCES:
+    if rest or not 2 <= n <= MAX_SENTENCES:
         return -math.inf
     logq = (n - 2) * math.log(1 - P_STOP) + (math.log(P_STOP) if n < MAX_SENTENCES else 0.0)
     n_pos = n_neg = 0
     for s in sentences:
-        tpl = next((t for t in map(str.split, TEMPLATES)
-                    if len(t) == len(s) and all(map(_fits, s, t))), None)
+        tpl = _template(s)
         if tpl is None:
             return -math.inf
         logq -= math.log(len(TEMPLATES))

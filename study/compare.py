@@ -345,12 +345,13 @@ def curve_rows(name, stage, c, ref_ev, points):
 
 
 EV_FIELDS = ("kl", "true_reward", "win_rate", "eos_rate", "response_len", "true_reward_finished",
-             "beyond_pool", "top_word_rate")
+             "beyond_pool", "top_word_rate", "in_language", "reward_model_score")
 
 
 def ev_fields(ev):
     """The evaluation's numbers a table shows. eos_rate, response_len, true_reward_finished,
-    beyond_pool and top_word_rate are None where an older evaluate.py did not write them."""
+    beyond_pool, top_word_rate and in_language are None where an older evaluate.py did not write
+    them; reward_model_score also where the run had no r_φ to read (DPO's)."""
     return {**{k: ev.get(k) for k in EV_FIELDS},
             "true_reward_se": ev["true_reward_std"] / ev["n_completions"] ** 0.5,  # sampling only
             "n_completions": ev["n_completions"], "pool_best": ev.get("pool_best"),

@@ -105,6 +105,8 @@ def frontier_markdown(rows, cfg):
     """One regime's frontier table (rows: its runs, π_ref's first): every configuration."""
     groups = settings(rows)
     stat = lambda rs, k: mean_se([r[k] for r in rs])  # noqa: E731
+    # None in rows written before evaluate.py reported them (and no r_φ score for DPO's runs)
+    newer = lambda rs, k: mean_se([r.get(k) for r in rs])  # noqa: E731
     chosen = {m: envelope.select_on_val(envelope_configs(groups, m, False))[0]
               for m in {m for m, _ in groups}}
     beyond = any(r["beyond_pool"] is not None for r in rows)
@@ -119,15 +121,16 @@ def frontier_markdown(rows, cfg):
         body.append([method, name, "–" if method == "π_ref" else len(rs),
                      pm(*stat(rs, "val_true_reward")), pm(*stat(rs, "kl"), ".3f"),
                      pm(*stat(rs, "true_reward")), pm(*stat(rs, "win_rate"), ".3f"),
-                     pm(*stat(rs, "eos_rate"), ".3f"), pm(*stat(rs, "response_len"), ".1f"),
+                     pm(*stat(rs, "eos_rate"), ".3f"), pm(*newer(rs, "in_language"), ".3f"),
+                     pm(*newer(rs, "reward_model_score")), pm(*stat(rs, "response_len"), ".1f"),
                      pm(*stat(rs, "true_reward_finished"))]
                     + ([pm(*stat(rs, "beyond_pool"), ".3f")] if beyond else [])
                     + [gain, " ".join(flags) or "–", "✓" if name in chosen[method] else "",
                        fmt_duration(sum(r["wall_s"] or 0 for r in rs) / len(rs))])
     ref = rows[0]
     md = table(["method", "configuration", "seeds", "val reward", "KL(π‖π_ref) nats",
-                "true reward", "win rate vs π_ref", "EOS rate", "response tokens",
-                "reward if finished"] + (["beyond pool best"] if beyond else [])
+                "true reward", "win rate vs π_ref", "EOS rate", "in language", "r_φ score",
+                "response tokens", "reward if finished"] + (["beyond pool best"] if beyond else [])
                + [f"val gain after {cfg.check_at:g} of budget", "flags", "on val envelope",
                   "wall per run"], body)
     pool = (f"Beyond pool best: the share of completions whose true reward exceeds "
@@ -146,8 +149,12 @@ def frontier_markdown(rows, cfg):
             "training log-prob function; true reward: the task's hidden reward; win rate: against "
             "π_ref's completions of the same prompts, ties half; EOS rate: the share of "
             "completions that ended, the rest cut at the generation budget, where their KL and "
-            "reward are lower bounds; reward if finished: the mean true reward of those that "
-            f"ended. Val gain: validation reward at the end minus at {cfg.check_at:g} of the "
+            "reward are lower bounds; in language: the share that ended and are texts of the "
+            "task's language, the only ones the true reward pays in full; r_φ score: the learned "
+            "reward's mean score of them by the same rule (– where the run had no r_φ), the proxy "
+            "PPO optimises, which rises where over-optimisation lowers the true reward; reward if "
+            "finished: the mean true reward of those that ended. "
+            f"Val gain: validation reward at the end minus at {cfg.check_at:g} of the "
             "budget, mean over seeds [95% t-interval]. Flags: cut, more than "
             f"{TRUNCATED_MAX:.0%} of test completions cut at the budget; budget, the val gain's "
             "interval lies above 0 (still rising when the budget ended it). Flagged "
@@ -239,10 +246,11 @@ def j_beta_markdown(rows, cfg):
 def curves_markdown(curves, cfg):
     body = [[r["method"], r["step"], f"{r['responses']:,}", f"{r['flops']:.3g}",
              f"{r['kl']:.3f}", pm(r["true_reward"], r["true_reward_se"]),
-             pm(r["eos_rate"], None, ".3f"),
-             pm(r["response_len"], None, ".1f")] for r in curves]
+             pm(r["eos_rate"], None, ".3f"), pm(r.get("in_language"), None, ".3f"),
+             pm(r.get("reward_model_score"), None), pm(r["response_len"], None, ".1f")]
+            for r in curves]  # .get: rows written before evaluate.py reported the two
     md = table(["method", "step", "responses", "loop FLOPs", "KL(π‖π_ref) nats", "true reward",
-                "EOS rate", "response tokens"], body)
+                "EOS rate", "in language", "r_φ score", "response tokens"], body)
     runs = ", ".join(sorted({r["run"] for r in curves}))
     return (f"## Learning curves: one run of each method ({runs})\n\n{md}\n\nThe run trained "
             f"in {cfg.curve_points} chunks (`--stop_after`; the stages resume exactly, so this is "
