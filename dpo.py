@@ -56,6 +56,7 @@ class Config:
     val_pairs: str = "out/task/pairs_val.jsonl"  # held-out pairs for the val loss and accuracy
     test_prompts: str = "out/task/prompts_test.jsonl"  # held-out prompts: true reward and KL
     val_prompts: str = ""  # held-out prompts a study selects on, into eval.json's "val" ("": none)
+    reward_model: str = ""  # r_φ, read by the evaluation only: eval.json's reward_model_score
     ref_logps: str = "out/ref_logps"  # the log π_ref cache (yours: a subfolder); built if missing
     # "cache": read log π_ref from ref_logps; "live": run π_ref every step (what precompute removes)
     ref: str = "cache"
@@ -279,7 +280,8 @@ def main(cfg):
     opt = adamw(policy, cfg.lr, cfg.weight_decay)
     # cached and live are the same run, so either may resume the other
     start, state = resume(ckpt_dir, cfg, {"model": policy, "optim": opt}, d.device, log.print,
-                          inputs, free=("resume", "stop_after", "ref", "compile", "fsdp", "pack"))
+                          inputs, free=("resume", "stop_after", "ref", "compile", "fsdp", "pack",
+                                        "reward_model"))
     first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)

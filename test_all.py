@@ -887,9 +887,9 @@ def test_true_reward_hand_examples():
     assert tasks.true_reward("it felt awful .", " the movie is great .") == 2.0
     assert tasks.true_reward("", " i hated the plot . it felt fine .") == -2.0 + 0.5
     assert tasks.true_reward("", " the cast was good and good . we saw it on monday .") == 2.0
-    # junk scores its words
-    assert tasks.true_reward("", "GREAT,superb!! xyz greatgreat <|endoftext|>") == 4.0
-    assert tasks.true_reward("", "") == 0.0
+    # junk earns the malformed-sentence penalty, not its words; so does no sentence at all
+    assert tasks.true_reward("", "GREAT,superb!! xyz greatgreat <|endoftext|>") == -1.0
+    assert tasks.true_reward("", "") == -1.0
 
 def test_text_logprob_hand_worked():
     # "it felt {adj} ." then "we saw it on {day} .", then stop: templates 1/5 each, "great" is
@@ -2924,7 +2924,7 @@ def test_ppo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, ti
 # gradient; the first ratio is 1; two ranks equal one; resumed equals uninterrupted (grpo.py)
 # ==================================================================================================
 
-def test_group_advantages_standardise_each_group_of_consecutive_rows():
+def test_grpo_group_advantages_standardise_each_group_of_consecutive_rows():
     scores = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0], dtype=torch.float64)
     # group 1: mean 3, unbiased std sqrt((4 + 1 + 0 + 9) / 3); group 2: all equal, so 0, not NaN
     std = math.sqrt(14 / 3)
@@ -3059,23 +3059,33 @@ def tiny_grpo_config(tiny, rm, out, test_prompts, **kw):
     return grpo.Config(**{**base, **kw})
 
 
-def test_grpo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, tiny_rm, tmp_path):
+def test_grpo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, tiny_rm, tmp_path,
+                                                                         monkeypatch):
     # ppo.py's test for GRPO: one epoch of one minibatch, so the update's forward sees the weights
     # that made the old log-probs: ratio 1, nothing clipped; and the micro-batching (4 of 2 rows,
     # 8 of 1, 1 of 8) changes neither the loss nor the gradient norm
+    # And a group is group_size rows of one prompt, the groups of different prompts.
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text(json.dumps({"prompt": "the movie is"}) + "\n")
-    runs, rm = [], str(tiny_rm / "model.safetensors")
-    for micro in (2, 1, 8):
-        cfg = tiny_grpo_config(tiny, rm, tmp_path / f"grpo{micro}", str(prompts))
+    runs, rm, batches = [], str(tiny_rm / "model.safetensors"), []
+    real_sample = grpo.sample
+    monkeypatch.setattr(grpo, "sample", lambda *a: batches.append(list(a[2])) or real_sample(*a))
+    for micro, scale in ((2, True), (1, True), (8, True), (2, False)):
+        cfg = tiny_grpo_config(tiny, rm, tmp_path / f"grpo{micro}{scale}", str(prompts),
+                               scale_rewards=scale)
         grpo.main(replace(cfg, iterations=1, mini_batch=8, ppo_epochs=1, micro_batch_size=micro))
         runs.append(read_metrics(cfg.out_dir)[0])
+    b = batches[0]
+    assert b[:4] == [b[0]] * 4 and b[4:] == [b[4]] * 4 and b[0] != b[4]
     m = runs[0]
     assert m["clipfrac"] == 0 and m["approx_kl"] < 1e-8 and m["adv_abs"] > 0.1
+    # the same rollouts, advantages not divided by the groups' std: another size, not NaN
+    assert runs[3]["true_reward"] == m["true_reward"] and math.isfinite(runs[3]["adv_abs"])
+    assert abs(runs[3]["adv_abs"] - m["adv_abs"]) > 1e-3
     assert m["loss/kl"] < 1e-8  # π = π_ref before the first step: k3 is 0
     for k in ("loss/policy", "grad_norm"):
         assert abs(runs[1][k] - runs[2][k]) <= DPO_TOL * max(1, abs(runs[1][k])), k
-    assert json.loads((tmp_path / "grpo2" / "eval.json").read_text())["group_size"] == 4
+    assert json.loads((tmp_path / "grpo2True" / "eval.json").read_text())["group_size"] == 4
 
 
 def test_grpo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_test_prompts, tmp_path):
@@ -3507,7 +3517,7 @@ def test_iterative_two_ranks_sample_and_label_what_one_process_does(tiny, dpo_ca
     assert pairs != data.read_pairs(f"{one.out_dir}/round1/pairs.jsonl")
 
 
-def test_iterative_labels_only_pairs_that_both_ended_hold_text_and_differ(tiny, monkeypatch):  # noqa
+def test_iterative_labels_only_pairs_both_ended_nonempty_and_distinct(tiny, monkeypatch):  # noqa
     # a scripted sampler: completion a of batch b is SCRIPT[b][a // 2][a % 2] (text, ended); batch 0
     # has one pair of each kind, batch 1 four good ones, of which the round's budget keeps three
     SCRIPT = [[("good one", True), ("good two", True)], [("cut", False), ("ends", True)],
@@ -3563,9 +3573,16 @@ def test_beyond_pool_is_the_share_of_completions_above_the_pools_best(tiny):  # 
     best = tasks.task_pool_best(path)  # the tiny task's folder holds task.json
     assert best == tasks.pool_best(data.read_pairs(f"{tiny.task}/pairs_train.jsonl"))
     assert tasks.task_pool_best(str(tiny.root / "elsewhere" / "p.jsonl")) is None
-    # a threshold inside the rewards' range, so that the share is neither 0 nor 1; with k = 1 the
-    # samples hold every completion and its score: count them independently of the sums
-    for t in (0.0, 1.0):
+    # thresholds inside the rewards' range, so that the share is neither 0 nor 1 (the tiny π_ref
+    # writes mostly junk, which the hidden reward charges per sentence: read its range first);
+    # with k = 1 the samples hold every completion and its score: count them independently
+    first = evaluate_policy(ref, ref2, tok, prompts, init_distributed(), k=1, n_samples=40)
+    sides = [[s[f"{side}_reward"] for s in first["samples"]] for side in ("policy", "ref")]
+    seen = sorted(set(sides[0] + sides[1]))
+    inside = [t for t in ((a + b) / 2 for a, b in zip(seen, seen[1:]))
+              if all(0 < tasks.fraction_beyond(r, t) < 1 for r in sides)]
+    assert len(inside) >= 2, seen
+    for t in (inside[0], inside[-1]):
         res = evaluate_policy(ref, ref2, tok, prompts, init_distributed(), k=1, n_samples=40,
                               pool_best=t)
         assert len(res["samples"]) == res["n_completions"] == 40
@@ -3605,9 +3622,9 @@ def test_evaluation_scores_every_model_by_one_rule(tiny):  # noqa: F811
     # the policy never ends: every completion scores missing_eos_score (its words would pay 2N)
     assert (res["true_reward"], res["true_reward_std"], res["eos_rate"]) == (-3.0, 0.0, 0.0)
     assert res["response_len"] == N and res["true_reward_finished"] is None
-    # π_ref ends at once: reward 0, finished, one token (the EOS)
-    assert (res["ref_true_reward"], res["ref_eos_rate"], res["ref_response_len"]) == (0.0, 1.0, 1.0)
-    assert res["ref_true_reward_finished"] == 0.0 and res["win_rate"] == 0.0  # -3 < 0, every time
+    # π_ref ends at once: finished, one token (the EOS), no sentence: the malformed penalty, -1
+    assert (res["ref_true_reward"], res["ref_eos_rate"], res["ref_response_len"]) == (-1, 1, 1)
+    assert res["ref_true_reward_finished"] == -1.0 and res["win_rate"] == 0.0  # -3 < -1, always
     # KL: every token is " great", N of them, log π(great) - log π_ref(great) each
     logits = lambda m: m.transformer.wte.weight[:, 0].detach()  # noqa: E731  (the constant logits)
     per_token = (F.log_softmax(logits(rambler), 0) - F.log_softmax(logits(quitter), 0))[great[0]]
@@ -4401,10 +4418,11 @@ def test_a_rank_left_in_a_collective_fails_fast_naming_it(tmp_path):
     (p,) = run_whole([torchrun(script, [], ["--nproc_per_node=2", "--standalone"])], 120,
                      {**torchrun_env(120), "DIST_TIMEOUT_S": "5"})
     assert p.returncode != 0 and time.monotonic() - t0 < 60
-    # each rank's traceback names the collective it waited in, and why it gave up
+    # each rank's traceback names the collective it waited in; the first to give up says why (the
+    # other may see it leave before its own clock runs out: a race the machine's load decides)
     assert re.search(r"\[rank0\]:.*in all_reduce_sum\n.*dist\.all_reduce", p.stderr)
     assert re.search(r"\[rank1\]:.*in barrier", p.stderr)
-    assert p.stderr.count("Timed out waiting 5000ms") == 2
+    assert "Timed out waiting 5000ms" in p.stderr
     assert not processes_naming(script)
 
 

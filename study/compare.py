@@ -41,6 +41,7 @@ import torch
 
 import data
 import dpo
+import grpo
 import iterative_dpo
 import online_dpo
 import ppo
@@ -48,7 +49,7 @@ import precompute
 import reward
 import sft
 import task
-from checkpoint import (atomic_write_json, checkpoint_state, load_checkpoint, sha256,
+from checkpoint import (atomic_copy, atomic_write_json, checkpoint_state, load_checkpoint, sha256,
                         tokenizer_beside)
 from plumbing import (atomic_write_text, barrier, check, fmt_duration, init_distributed,
                       main_decides, parse_config, require_stage, teardown)
@@ -77,6 +78,9 @@ class Config:
     kl_coefs: str = "0.1,0.3"  # PPO runs with r_φ: one per KL coefficient × --ppo_lrs
     ppo_lrs: str = "1e-4"  # PPO's peak learning rates
     true_kl_coefs: str = ""  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
+    # GRPO runs (grpo.py, r_φ's scores, --ppo_iterations of PPO's batch): one per KL coefficient
+    # (the k3 term's β) × --ppo_lrs ("" = none)
+    grpo_kl_coefs: str = ""
     online_betas: str = ""  # online DPO runs: one per β × --online_rewards ("" = none)
     online_rewards: str = "model"  # their labellers: model (r_φ's argmax), oracle (task's BT draws)
     online_lr: float = online_dpo.Config.lr  # online DPO's peak learning rate
@@ -111,6 +115,10 @@ class Config:
     costs: bool = True  # measure the costs, write costs.*
     rounds: int = 3  # interleaved timing rounds, each: PPO, DPO live, DPO cached, precompute
     time_steps: int = 4  # iterations (PPO) or steps (DPO) per timed run; the first warms up
+    # a folder in the repository that keeps each finished run's records (run.json, eval.json,
+    # curve.json) under <keep>/<out_dir's name>/<run>, and the π_ref and r_φ they were made from
+    # under <keep>/inputs: committed, they let a sweep resume on another machine ("": none)
+    keep: str = ""
     # RESULTS.md: its sections (study/results.py) get this command's tables ("": none)
     results: str = "RESULTS.md"
     # the frontier section's name; the learning curves' and the costs' are "curves" and "costs"
@@ -189,7 +197,7 @@ def sweep(cfg, R):
     runs = [(f"{p}{n}", dpo, dpo.Config(
         out_dir=o(n), ref_model=R["sft"], train_pairs=t("pairs_train.jsonl"),
         val_pairs=t("pairs_val.jsonl"), ref_logps=R["ref_logps"], beta=b, rpo_alpha=a,
-        steps=cfg.dpo_steps, lr=lr, seed=s, **held_out))
+        steps=cfg.dpo_steps, lr=lr, seed=s, reward_model=R["reward_model"], **held_out))
         for b, a in dpos for lr in floats(cfg.dpo_lrs) for s in seeds
         for n in [f"dpo-{f'nll{a:g}-' if a else ''}beta{b:g}-lr{lr:g}-seed{s}"]]
     for rw in [w.strip() for w in cfg.online_rewards.split(",") if w.strip()]:
@@ -224,6 +232,12 @@ def sweep(cfg, R):
             lr=lr, seed=s, **held_out))
             for k in floats(coefs) for lr in floats(cfg.ppo_lrs) for s in seeds
             for n in [f"{tag}-kl{k:g}-lr{lr:g}-seed{s}"]]
+    runs += [(f"{p}{n}", grpo, grpo.Config(
+        out_dir=o(n), sft=R["sft"], reward_model=R["reward_model"],
+        prompts=t("prompts_train.jsonl"), kl_coef=k, iterations=cfg.ppo_iterations, lr=lr, seed=s,
+        **held_out))
+        for k in floats(cfg.grpo_kl_coefs) for lr in floats(cfg.ppo_lrs) for s in seeds
+        for n in [f"grpo-kl{k:g}-lr{lr:g}-seed{s}"]]
     return runs
 
 
@@ -234,7 +248,8 @@ def method_of(stage, c):
     return "π_ref" if stage is None else ("DPO+NLL" if c.rpo_alpha else "DPO") if stage is dpo \
         else ("iterative DPO+NLL" if c.rpo_alpha else "iterative DPO") if stage is iterative_dpo \
         else ONLINE[c.reward] \
-        if stage is online_dpo else "PPO" if c.reward == "model" else "PPO-GT"
+        if stage is online_dpo else "GRPO" if stage is grpo \
+        else "PPO" if c.reward == "model" else "PPO-GT"
 
 
 def is_curve(cfg, stage, c):
@@ -275,8 +290,8 @@ def evaluate_checkpoint(stage, c, d, prompts=None):
     tok = data.load_tokenizer(tokenizer_beside(
         ref_path, "--ref_model" if stage is dpo else "--sft"))
     policy, ref = load_model(ref_path, d.device)[0], load_model(ref_path, d.device)[0]
-    # the checkpoint names the policy "policy" in ppo.py (beside its critic), else "model"
-    name = "policy" if stage is ppo else "model"
+    # the checkpoint names the policy "policy" in ppo.py (beside its critic) and grpo.py
+    name = "policy" if stage in (ppo, grpo) else "model"
     load_checkpoint(os.path.join(c.out_dir, "ckpt"), {name: policy}, d.device)
     prompts = prompts or c.test_prompts
     return evaluate_policy(policy, ref, tok, data.read_prompts(prompts), d, k=c.eval_k,
@@ -371,6 +386,50 @@ def same_run(saved, rec, stage):
     return {**saved, "config": old} == rec
 
 
+# -----------------------------------------------------------------------------
+# Kept runs: a sweep's records in the repository, so that another machine resumes it
+
+RECORDS = ("run.json", "eval.json", "curve.json")  # what the tables read of a run (not weights)
+MODEL_FILES = ("model.safetensors", "tokenizer.json", "eval.json")  # a stage's model, as loaded
+
+
+def kept(cfg, name):
+    """Where --keep holds run `name`'s records, or None without --keep."""
+    return os.path.join(cfg.keep, os.path.basename(os.path.normpath(cfg.out_dir)), name) \
+        if cfg.keep else None
+
+
+def copy_files(src, dst, names):
+    os.makedirs(dst, exist_ok=True)
+    for f in names:
+        if os.path.exists(os.path.join(src, f)):
+            atomic_copy(os.path.join(src, f), os.path.join(dst, f))
+
+
+def keep_inputs(cfg, models, d, say, restore):
+    """The shared models every kept run was made from ({name: model path}: π_ref, r_φ), in
+    <keep>/inputs/<name>. restore=True (before the sweep builds them): a missing model is copied
+    from there, since run.json pins each by sha256 and one trained again on another CPU differs in
+    its last bits. restore=False (after): kept when the folder has none yet, and refused when it
+    holds another, so that no table mixes runs of two π_refs."""
+    if not cfg.keep:
+        return
+    other = []
+    for name, path in models.items() if d.is_main else ():
+        src, dst = os.path.join(cfg.keep, "inputs", name), os.path.dirname(path)
+        there = os.path.join(src, "model.safetensors")
+        if restore and os.path.exists(there) and not os.path.exists(path):
+            say(f"{path} is missing: restored from {src}, the {name} of the kept runs")
+            copy_files(src, dst, MODEL_FILES)
+        elif not restore and not os.path.exists(there):
+            copy_files(dst, src, MODEL_FILES)
+        elif not restore and sha256(there) != sha256(path):
+            other.append(f"{path} is not the {name} the runs kept in {cfg.keep} were made from "
+                         f"({there}): move {dst} away and run again (it is restored from there), "
+                         "or pass another --keep to start a sweep of its own")
+    check(not main_decides(bool(other), d), other[0] if other else "rank 0 refused the inputs")
+
+
 def frontier(cfg, Rs, d, say):
     """Train every run of every regime in Rs not already done (the curve runs in chunks); then, on
     rank 0, one row per run from its eval.json, and the learning curves' rows."""
@@ -391,13 +450,17 @@ def frontier(cfg, Rs, d, say):
         # run.json: what the run was made from (its config, π_ref's and r_φ's sha256, whether it
         # is a learning curve) and whether it finished
         out = os.path.join(cfg.out_dir, name)
-        uses_rm = stage in (ppo, online_dpo) and c.reward == "model"
+        uses_rm = stage in (ppo, grpo, online_dpo) and c.reward == "model"
         curve = is_curve(cfg, stage, c)
         rec = {"stage": stage.__name__ if stage else "evaluate",
                "config": asdict(c) if stage else c,
                "sft_sha256": sha[R["sft"]],
                **({"reward_model_sha256": sha[R["reward_model"]]} if uses_rm else {}),
                **({"curve_points": cfg.curve_points} if curve else {})}
+        keep = kept(cfg, name)
+        if d.is_main and keep and os.path.exists(f"{keep}/run.json") and not (
+                os.path.exists(f"{out}/run.json")):  # finished elsewhere: checked as any other
+            copy_files(keep, out, RECORDS)
         saved = json.loads(Path(out, "run.json").read_text()) if os.path.exists(f"{out}/run.json") \
             else {}
         same = same_run(saved.get("run"), rec, stage)
@@ -414,7 +477,8 @@ def frontier(cfg, Rs, d, say):
                 f"{c.rollout_batch} pairs, seed {c.seed}" if stage is online_dpo else
                 f"iterative_dpo.main, β {c.beta:g}, {c.rounds} rounds of {c.pairs} pairs and "
                 f"{c.steps} steps, seed {c.seed}" if stage is iterative_dpo else
-                f"ppo.main, {'r_φ' if uses_rm else 'the true reward'}, KL coef {c.kl_coef:g}, "
+                f"{stage.__name__}.main, {'r_φ' if uses_rm else 'the true reward'}, KL coef "
+                f"{c.kl_coef:g}, "
                 f"{c.iterations} iterations, seed {c.seed}")
         what += f", NLL α {c.rpo_alpha:g}" if stage in (dpo, iterative_dpo) and c.rpo_alpha else ""
         what += f", in {cfg.curve_points} chunks (learning curve)" if curve else ""
@@ -437,6 +501,8 @@ def frontier(cfg, Rs, d, say):
         trained, spent = trained + (stage is not None), spent + wall * (stage is not None)
         if d.is_main:
             atomic_write_json(f"{out}/run.json", {"run": rec, "finished": True, "wall_s": wall})
+            if keep:
+                copy_files(out, keep, RECORDS)
         left = sum(1 for r in todo[i + 1:] if r[1] is not None)
         say(f"[{i + 1}/{len(todo)}] {name} done in {fmt_duration(wall)} | sweep "
             f"{fmt_duration(time.time() - t0)} so far"
@@ -450,7 +516,7 @@ def frontier(cfg, Rs, d, say):
                             if "val" in p), {})
         rows.append(dict(run=name, regime=R["regime"], method=method_of(stage, c),
                          beta=c.beta if stage in (dpo, online_dpo, iterative_dpo) else "",
-                         kl_coef=c.kl_coef if stage is ppo else "",
+                         kl_coef=c.kl_coef if stage in (ppo, grpo) else "",
                          lr=c.lr if stage else "", seed=c.seed if stage else "", **ev_fields(ev),
                          **{f"val_{k}": ev["val"].get(k)
                             for k in ("kl", "true_reward", "eos_rate")},
@@ -477,6 +543,9 @@ def section_name(cfg, part):
 def prerequisites(cfg, d, say):
     """The earlier stages, shared by every run: built once, with their defaults, when missing."""
     t = lambda f: os.path.join(cfg.task, f)  # noqa: E731
+    models = {"sft": cfg.sft, "reward": cfg.reward_model}
+    keep_inputs(cfg, models, d, say, restore=True)
+    barrier(d)
     require_task({t(f): os.path.join(Config.task, f) for f in (
         "pairs_train.jsonl", "pairs_val.jsonl", "prompts_train.jsonl", "prompts_val.jsonl",
         "prompts_test.jsonl")},
@@ -491,6 +560,7 @@ def prerequisites(cfg, d, say):
         require_stage(f"{cfg.ref_logps}/{split}.safetensors",
                       f"{Config.ref_logps}/{split}.safetensors", lambda: precompute.main(pc),
                       precompute.command(pc), d, say)
+    keep_inputs(cfg, models, d, say, restore=False)
 
 
 def main(cfg):
@@ -509,6 +579,8 @@ def main(cfg):
         if d.is_main:
             md, parts = write_tables(rows, curves, cfg)
             sections.update(parts)
+            if cfg.keep:  # the per-run rows beside the kept runs
+                atomic_copy(f"{cfg.out_dir}/frontier.csv", kept(cfg, "frontier.csv"))
             say(md + f"\nwrote {cfg.out_dir}/frontier.csv, "
                 + ("curves.csv " if curves else "") + "and frontier.md")
     if cfg.costs:

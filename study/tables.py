@@ -5,6 +5,7 @@ bootstrap and the intervals they quote come from study/envelope.py.
     python -m study.compare     # writes them (out/compare/frontier.md, RESULTS.md's sections)
 """
 import csv
+import json
 import math
 import os
 
@@ -53,11 +54,15 @@ def write_csv(path, rows):
     os.replace(path + ".tmp", path)
 
 
+KL_COEF_METHODS = ("PPO", "PPO-GT", "GRPO")  # configured by a KL coefficient, not DPO's β
+METHODS = ("DPO", "DPO+NLL", "online DPO", "GRPO", "PPO", "PPO-GT")  # the tables' order
+
+
 def setting(r):
     """A run's configuration, as the tables name it: 'β 0.3, lr 0.001', 'KL coef 0.1, lr 0.0001'."""
     if r["method"] == "π_ref":
         return ""
-    s = f"KL coef {r['kl_coef']:g}" if r["method"].startswith("PPO") else f"β {r['beta']:g}"
+    s = f"KL coef {r['kl_coef']:g}" if r["method"] in KL_COEF_METHODS else f"β {r['beta']:g}"
     return f"{s}, lr {r['lr']:g}"
 
 
@@ -173,11 +178,11 @@ def frontier_markdown(rows, cfg):
 def matched_kl_markdown(rows, cfg):
     """One regime's methods at --match_kls, each read off its envelope (study/envelope.py)."""
     groups = settings(rows)
-    methods = [m for m in ("DPO", "DPO+NLL", "online DPO", "PPO", "PPO-GT")
-               if any(k[0] == m for k in groups)]
+    methods = [m for m in METHODS if any(k[0] == m for k in groups)]
     configs = {m: envelope_configs(groups, m) for m in methods}
     env = {m: envelope.select_on_val(configs[m])[1] for m in methods}
-    versus = [m for m in ("DPO", "DPO+NLL", "online DPO") if m in methods] if "PPO" in methods \
+    versus = [m for m in ("DPO", "DPO+NLL", "online DPO", "GRPO") if m in methods] \
+        if "PPO" in methods \
         else []
     body = []
     for x in floats(cfg.match_kls):
@@ -210,10 +215,10 @@ def matched_kl_markdown(rows, cfg):
 def j_beta_markdown(rows, cfg):
     """The objective DPO and PPO both claim to maximise, E[r] − β·KL, at each β they share."""
     groups, body = settings(rows), []
-    beta_of = lambda m, rs: rs[0]["kl_coef"] if m.startswith("PPO") else rs[0]["beta"]  # noqa: E731
+    beta_of = lambda m, rs: rs[0]["kl_coef" if m in KL_COEF_METHODS else "beta"]  # noqa: E731
     for b in sorted({beta_of(m, rs) for (m, _), rs in groups.items() if m != "π_ref"}):
         cells, per_seed = [f"{b:g}"], {}
-        for m in ("DPO", "DPO+NLL", "online DPO", "PPO", "PPO-GT"):
+        for m in METHODS:
             at = [(name, rs) for (mm, name), rs in groups.items()
                   if mm == m and beta_of(m, rs) == b]
             if not at:
@@ -232,8 +237,7 @@ def j_beta_markdown(rows, cfg):
             f" [{d[1]:+.2f}, {d[2]:+.2f}]" if d[1] is not None else ""))
         body.append(cells)
     shared = [c for c in body if sum(x != "–" for x in c[1:]) >= 2]
-    md = table(["β = KL coef", "DPO", "DPO+NLL", "online DPO", "PPO", "PPO-GT",
-                "DPO − PPO [95% Welch]"], shared or body)
+    md = table(["β = KL coef", *METHODS, "DPO − PPO [95% Welch]"], shared or body)
     return (f"## The regularised objective{regime_title(rows[0]['regime'], cfg)}: "
             f"J_β = E[r] − β·KL(π‖π_ref)\n\n{md}\n\nThe objective both DPO (eq. 3 of "
             "Rafailov et al. 2023, which DPO's loss solves in closed form) and PPO with a KL "
@@ -266,6 +270,39 @@ def curves_markdown(curves, cfg):
             "(PPO) are in the cost tables, not here.")
 
 
+def chosen_configs(rows):
+    """Each method's configuration that validation picks for reward: the highest mean validation
+    true reward among its unflagged configurations (among all, if every one is flagged).
+    {method: (configuration, its rows)}, π_ref left out."""
+    best = {}
+    for (m, name), rs in settings(rows).items():
+        if m == "π_ref":
+            continue
+        key = (not verdicts(rs)["flagged"], mean_se([r["val_true_reward"] for r in rs])[0])
+        if m not in best or key > best[m][0]:
+            best[m] = (key, name, rs)
+    return {m: (name, rs) for m, (_, name, rs) in best.items()}
+
+
+def samples_markdown(rows, samples):
+    """What the numbers score: the evaluation's first completions (fixed test prompts, sampling
+    seed 0) of each method at its chosen configuration, first seed; samples: {run: eval.json's
+    samples}. Each with its true reward and whether it is a text of the task's language."""
+    lines = []
+    for m, (name, rs) in chosen_configs(rows).items():
+        lines.append(f"**{m}** ({name}, {rs[0]['run']}):\n")
+        for x in samples.get(rs[0]["run"], []):
+            ok = x["policy_finished"] and task.in_language(x["prompt"], x["policy"])
+            lines.append(f"- {x['prompt']} →{x['policy'] or ' (nothing)'}"
+                         f"{'' if x['policy_finished'] else ' (no EOS)'} — "
+                         f"{x['policy_reward']:+g}, {'in' if ok else 'not in'} the language")
+        lines.append("")
+    return ("## Samples: what the numbers score\n\n" + "\n".join(lines) + "\nEach method at the "
+            "configuration with the best validation reward among its unflagged ones, its first "
+            "seed's run, one completion of each of the first three test prompts (the evaluation's "
+            "own samples, sampling seed 0), with its true reward.")
+
+
 def write_tables(rows, curves, cfg):
     """frontier.csv, curves.csv, frontier.md and, if matplotlib is installed, frontier.png and
     curves.png; returns the markdown, and its parts for RESULTS.md: {"frontier": the frontier and
@@ -276,6 +313,9 @@ def write_tables(rows, curves, cfg):
         by_regime.setdefault(r["regime"], []).append(r)
     parts = [f(rs, cfg) for rs in by_regime.values()
              for f in (frontier_markdown, matched_kl_markdown, j_beta_markdown)]
+    read = lambda run: json.loads(open(os.path.join(cfg.out_dir, run, "eval.json")).read())  # noqa
+    parts.append(samples_markdown(rows, {r["run"]: read(r["run"]).get("samples", [])
+                                         for r in rows if r["method"] != "π_ref"}))
     rows = next(iter(by_regime.values()))  # the plot: the first regime's frontier
     sections = {"frontier": "\n\n".join(parts)}
     if curves:
@@ -291,7 +331,7 @@ def write_tables(rows, curves, cfg):
         return md + "\n\n(no frontier.png, curves.png: matplotlib is not installed)", sections
     fig, ax = plt.subplots(figsize=(6, 4))
     groups = settings(rows)
-    for method, marker in zip(("DPO", "DPO+NLL", "online DPO", "PPO", "PPO-GT"), "oDvs^"):
+    for method, marker in zip(METHODS, "oDv*s^"):
         pts = [(mean_se([r["kl"] for r in rs]), mean_se([r["true_reward"] for r in rs]))
                for (m, _), rs in groups.items() if m == method]
         if not pts:

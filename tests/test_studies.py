@@ -6,16 +6,21 @@ fixtures and helpers they need are test_all.py's.
 
     pytest tests/test_studies.py
 """
+import contextlib
 import csv
+import io
 import json
 import math
 import os
+import shutil
 import sys
 from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import data
 import dpo
@@ -141,6 +146,31 @@ def test_frontier_tables_select_on_validation_and_flag_by_hand():
     assert f"| +1.00 [{welch[1]}, {welch[2]}] |" in jb
 
 
+def test_samples_show_each_methods_chosen_configuration_first_seed_by_hand():
+    ref = dict(frontier_row("π_ref", ("", ""), "", 0.0, 0.0, 0.0), beta="", kl_coef="", lr="")
+    rows = [ref]
+    for seed in (1, 2):
+        rows += [frontier_row("DPO", (0.1, 1e-3), seed, 2.0, 2.0, 2.0, check=2.0),
+                 frontier_row("DPO", (0.3, 1e-3), seed, 2.0, 9.0, 1.0, check=1.0),  # lower val
+                 # the best on validation, but cut: passed over for the unflagged one
+                 frontier_row("PPO", (0.1, 1e-4), seed, 2.0, 5.0, 5.0, check=5.0, eos=0.5),
+                 frontier_row("PPO", (0.3, 1e-4), seed, 2.0, 1.0, 1.0, check=1.0)]
+    assert {m: name for m, (name, _) in tables.chosen_configs(rows).items()} == {
+        "DPO": "β 0.1, lr 0.001", "PPO": "KL coef 0.3, lr 0.0001"}
+    good, salad = " the plot is good .", " great great great"
+    samples = {"DPO-(0.1, 0.001)-1": [dict(prompt="the movie is bad .", policy=good,
+                                           policy_finished=True, policy_reward=1.0)],
+               "DPO-(0.1, 0.001)-2": [dict(prompt="x", policy="never shown",
+                                           policy_finished=True, policy_reward=0.0)],
+               "PPO-(0.3, 0.0001)-1": [dict(prompt="i liked it .", policy=salad,
+                                            policy_finished=False, policy_reward=-1.0)]}
+    md = tables.samples_markdown(rows, samples)
+    assert "**DPO** (β 0.1, lr 0.001, DPO-(0.1, 0.001)-1)" in md and "never shown" not in md
+    assert "- the movie is bad . → the plot is good . — +1, in the language" in md
+    assert "- i liked it . → great great great (no EOS) — -1, not in the language" in md
+    assert "**PPO** (KL coef 0.3, lr 0.0001" in md
+
+
 def test_a_run_recorded_before_a_field_existed_is_the_same_run_at_its_default():
     c = dpo.Config(out_dir="o", beta=0.3)
     rec = {"stage": "dpo", "config": asdict(c), "sft_sha256": "ab"}
@@ -204,7 +234,7 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     cfg = compare.Config(out_dir=str(root / "out"), task=str(task), sft=sft_file,
                          reward_model=sft_file, ref_logps=str(root / "ref_logps"), betas="0.1",
                          dpo_lrs="1e-3", nll_betas="", kl_coefs="0.05", ppo_lrs="1e-4",
-                         true_kl_coefs="", online_betas="",
+                         true_kl_coefs="", online_betas="", grpo_kl_coefs="0.05",
                          seeds="1,1001", dpo_steps=2, ppo_iterations=2, eval_k=1, curve_beta=0.1,
                          curve_kl_coef=0.05, curve_points=2, match_kls="0.001", rounds=1,
                          time_steps=2, results=str(root / "RESULTS.md"))
@@ -214,14 +244,17 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     assert [(r["run"], r["method"], r["seed"]) for r in rows] == [
         ("ref", "π_ref", ""), ("dpo-beta0.1-lr0.001-seed1", "DPO", "1"),
         ("dpo-beta0.1-lr0.001-seed1001", "DPO", "1001"),
-        ("ppo-kl0.05-lr0.0001-seed1", "PPO", "1"), ("ppo-kl0.05-lr0.0001-seed1001", "PPO", "1001")]
+        ("ppo-kl0.05-lr0.0001-seed1", "PPO", "1"), ("ppo-kl0.05-lr0.0001-seed1001", "PPO", "1001"),
+        ("grpo-kl0.05-lr0.0001-seed1", "GRPO", "1"),
+        ("grpo-kl0.05-lr0.0001-seed1001", "GRPO", "1001")]
+    assert all(r["kl_coef"] == "0.05" and r["beta"] == "" for r in rows[3:])
     assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows
                                                for k in ("kl", "true_reward", "win_rate"))
     # the seeds trained differently
-    assert rows[1]["kl"] != rows[2]["kl"] and rows[3]["kl"] != rows[4]["kl"]
+    assert rows[1]["kl"] != rows[2]["kl"] and rows[3]["kl"] != rows[4]["kl"] != rows[5]["kl"]
     md = (root / "out" / "frontier.md").read_text()
     # each setting's row: the mean over its two seeds ± the standard error across them
-    for i in (1, 3):
+    for i in (1, 3, 5):
         m, se = tables.mean_se([float(rows[j]["true_reward"]) for j in (i, i + 1)])
         assert f"{m:+.3f} ± {se:.3f}" in md
     # each curve: step 0 is π_ref, its last point the first seed's eval.json (ppo.py's and dpo.py's)
@@ -267,13 +300,14 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     args = [a for k, v in vars(replace(cfg, betas="0.1,0.3")).items() if not isinstance(v, bool)
             for a in (f"--{k}", str(v))]
     p = run_torchrun("-m study.compare", args + ["--no-costs"])
-    assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 5
-    assert "[4/7] dpo-beta0.3-lr0.001-seed1: dpo.main" in p.stdout
+    assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 7
+    assert "[4/9] dpo-beta0.3-lr0.001-seed1: dpo.main" in p.stdout
     with open(root / "out" / "frontier.csv") as f:
         assert [r["run"] for r in csv.DictReader(f)] == [
             "ref", "dpo-beta0.1-lr0.001-seed1", "dpo-beta0.1-lr0.001-seed1001",
             "dpo-beta0.3-lr0.001-seed1", "dpo-beta0.3-lr0.001-seed1001",
-            "ppo-kl0.05-lr0.0001-seed1", "ppo-kl0.05-lr0.0001-seed1001"]
+            "ppo-kl0.05-lr0.0001-seed1", "ppo-kl0.05-lr0.0001-seed1001",
+            "grpo-kl0.05-lr0.0001-seed1", "grpo-kl0.05-lr0.0001-seed1001"]
     # the frontier's and the curves' sections rewritten by the torchrun command, the costs' kept
     written = (root / "RESULTS.md").read_text()
     assert written.count("<!-- begin frontier -->") == written.count("<!-- end costs -->") == 1
@@ -281,6 +315,59 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     assert "| DPO | β 0.3, lr 0.001 | 2 |" in written.split("<!-- begin frontier -->")[1].split(
         "<!-- end frontier -->")[0]
     assert written.split("<!-- begin costs -->")[1] == costs_before
+
+
+def test_kept_runs_resume_a_sweep_on_another_machine_and_refuse_another_pi_ref(tiny):  # noqa: F811
+    # machine A trains the sweep with --keep; machine B (the same paths, but no out/ at all: a fresh
+    # clone) restores π_ref from the kept inputs and skips every kept run, writing the same rows;
+    # a π_ref that differs from the kept one is refused before any run
+    root = tiny.root / "keep-test"
+    task, m, keep = root / "task", root / "m", root / "kept"
+    os.makedirs(task)
+    for name, n in (("pairs_train.jsonl", 64), ("pairs_val.jsonl", 16),
+                    ("prompts_train.jsonl", 64), ("prompts_val.jsonl", 8),
+                    ("prompts_test.jsonl", 8)):
+        (task / name).write_text("".join(open(f"{tiny.task}/{name}").readlines()[:n]))
+    cfg = compare.Config(
+        out_dir=str(m / "compare"), task=str(task), sft=str(m / "sft/model.safetensors"),
+        reward_model=str(m / "sft/model.safetensors"), ref_logps=str(m / "ref_logps"),
+        betas="0.1", nll_betas="", kl_coefs="", seeds="1", dpo_steps=2, eval_k=1,
+        curve_points=0, match_kls="0.001", costs=False, results="", keep=str(keep))
+    shutil.copytree(tiny.sft, m / "sft", ignore=shutil.ignore_patterns("ckpt"))
+    precompute.main(precompute.Config(out_dir=cfg.ref_logps, ref_model=cfg.sft,
+                                      train_pairs=str(task / "pairs_train.jsonl"),
+                                      val_pairs=str(task / "pairs_val.jsonl")))
+    compare.main(cfg)  # machine A
+    for r in ("ref", "dpo-beta0.1-lr0.001-seed1"):
+        assert all((keep / "compare" / r / f).exists() for f in ("run.json", "eval.json")), r
+    assert not list(keep.glob("compare/*/ckpt")) and not list(keep.glob("compare/*/*.safetensors"))
+    sft_bytes = (m / "sft/model.safetensors").read_bytes()
+    assert (keep / "inputs/sft/model.safetensors").read_bytes() == sft_bytes
+    rows = (m / "compare/frontier.csv").read_text()
+    assert (keep / "compare/frontier.csv").read_text() == rows
+    for folder in ("sft", "compare"):  # machine B: no π_ref, no runs, only the kept folder (and
+        shutil.rmtree(m / folder)        # the cache, which an explicit --ref_logps does not build)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        compare.main(cfg)
+    assert out.getvalue().count("eval.json exists with the same config and inputs: skipped") == 2
+    assert "is missing: restored from" in out.getvalue()
+    assert (m / "sft/model.safetensors").read_bytes() == sft_bytes
+    assert (m / "compare/frontier.csv").read_text() == rows
+    # machine C: a π_ref of its own, not the kept one: refused, the kept folder untouched
+    shutil.rmtree(m / "sft")
+    shutil.copytree(tiny.sft, m / "sft", ignore=shutil.ignore_patterns("ckpt"))
+    path = str(m / "sft/model.safetensors")
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    w = load_file(path)
+    k = next(iter(w))
+    w[k] = w[k] + 1e-3
+    save_file(w, path, metadata=meta)
+    before = {p: p.read_bytes() for p in keep.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit, match="is not the sft the runs kept in"):
+        compare.main(cfg)
+    assert {p: p.read_bytes() for p in keep.rglob("*") if p.is_file()} == before
 
 
 # ==================================================================================================
