@@ -1,16 +1,20 @@
 """The frontier as a picture: true reward against KL(π‖π_ref) for every configuration in
-RESULTS.md's frontier table, each method's envelope drawn through those chosen on validation.
+RESULTS.md's frontier table, each method's envelope drawn through those chosen on validation; and
+beside it, each run that optimised the learned reward r_φ (PPO, GRPO, online DPO), its r_φ score
+and its true reward against its KL: where the two part, the policy is over-optimising the proxy.
 
     pip install matplotlib          # the only study that needs it
     python -m study.figure          # reads RESULTS.md, writes docs/frontier.png
 
-It reads the table `python -m study.compare` wrote (the sections named by --sections), so the figure
-shows the measured test means and their standard errors over seeds, nothing else. The envelope is
+It reads the table `python -m study.compare` wrote (the sections named by --sections) and the
+per-run rows it kept (--rows, frontier.csv of `study.compare --keep`), so the figure shows measured
+test numbers, nothing else. The envelope is
 what a method can attain: a mixture of two trained policies (one picked at random per prompt) gets
 their weighted mean reward at no more than their weighted mean KL (KL is convex), so every point
 under the upper concave hull of its chosen configurations, π_ref at the origin included, is within
 its reach (study/envelope.py; the chosen ones: the table's "on val envelope" ✓).
 """
+import csv
 import os
 import re
 from dataclasses import dataclass
@@ -24,6 +28,10 @@ class Config:
     results: str = "RESULTS.md"  # the file whose frontier tables are drawn
     sections: str = "frontier"  # its sections to read, comma-separated
     out: str = "docs/frontier.png"  # the figure written
+    rows: str = "study/runs/compare/frontier.csv"  # one row per run, for the r_φ panel ("": none)
+
+
+PROXY_METHODS = ("PPO", "GRPO", "online DPO")  # the methods that optimise r_φ's scores
 
 
 def mean_se(cell):
@@ -64,7 +72,19 @@ def read_points(path, sections):
     return points
 
 
-def draw(points, out):
+def read_proxy_runs(path):
+    """The runs of frontier.csv that optimised r_φ (PROXY_METHODS), each {"method", "kl", "true",
+    "proxy"}: its test KL, true reward and r_φ score; [] without the file or the column."""
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return [{"method": r["method"], "kl": float(r["kl"]), "true": float(r["true_reward"]),
+                 "proxy": float(r["reward_model_score"])}
+                for r in csv.DictReader(f) if r["method"] in PROXY_METHODS
+                and r.get("reward_model_score") not in (None, "", "None")]
+
+
+def draw(points, out, runs=()):
     """The figure: each method's points with their standard errors over seeds (both axes), its
     envelope through its chosen ones, π_ref at the origin. Written to out + '.tmp', renamed."""
     try:
@@ -75,7 +95,8 @@ def draw(points, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     ref = next(p for p in points if p["method"] == "π_ref")
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fig, axes = plt.subplots(1, 2 if runs else 1, figsize=(13 if runs else 7.5, 5), squeeze=False)
+    ax = axes[0][0]
     groups = {}
     for p in points:
         if p["method"] != "π_ref":
@@ -98,6 +119,8 @@ def draw(points, out):
                  "configurations chosen on validation", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
+    if runs:
+        proxy_panel(axes[0][1], runs)
     fig.tight_layout()
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     fig.savefig(out + ".tmp", dpi=110, format=os.path.splitext(out)[1][1:] or "png")
@@ -105,12 +128,33 @@ def draw(points, out):
     os.replace(out + ".tmp", out)
 
 
+def proxy_panel(ax, runs):
+    """Each run on r_φ twice at its KL: r_φ's score (filled) and the true reward (open), a line
+    between them; the gap that opens with KL is what the proxy pays for and the task does not."""
+    for method, color in zip(PROXY_METHODS, ("tab:red", "tab:purple", "tab:green")):
+        rs = [r for r in runs if r["method"] == method]
+        if not rs:
+            continue
+        for r in rs:
+            ax.plot([r["kl"], r["kl"]], [r["proxy"], r["true"]], "-", lw=0.5, color=color)
+        ax.plot([r["kl"] for r in rs], [r["proxy"] for r in rs], "o", color=color, ms=4,
+                label=f"{method}: r_φ score")
+        ax.plot([r["kl"] for r in rs], [r["true"] for r in rs], "o", mfc="none", color=color,
+                ms=5, label=f"{method}: true reward")
+    ax.set_xlabel("KL(π‖π_ref), nats per completion")
+    ax.set_ylabel("score")
+    ax.set_title("Runs on r_φ, each a point: the proxy and the hidden reward", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+
+
 def main(cfg):
     points = read_points(cfg.results, cfg.sections.split(","))
     check(any(p["method"] == "π_ref" for p in points), f"{cfg.results}: no π_ref row to anchor on")
-    draw(points, cfg.out)
+    runs = read_proxy_runs(cfg.rows)
+    draw(points, cfg.out, runs)
     print(f"wrote {cfg.out}: {len(points)} points from the sections {cfg.sections} of "
-          f"{cfg.results}")
+          f"{cfg.results}" + (f", {len(runs)} runs on r_φ from {cfg.rows}" if runs else ""))
 
 
 if __name__ == "__main__":

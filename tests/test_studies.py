@@ -576,6 +576,20 @@ def test_figure_reads_the_frontier_tables_and_needs_matplotlib_only_to_draw(tmp_
     assert not out.exists()
 
 
+def test_figure_reads_the_runs_on_r_phi_from_the_kept_rows(tmp_path):
+    path = tmp_path / "frontier.csv"
+    path.write_text("run,method,kl,true_reward,reward_model_score\n"
+                    "ref,π_ref,0.0,-0.01,0.02\n"
+                    "dpo-a,DPO,3.5,2.0,1.0\n"  # not on r_φ: not drawn
+                    "ppo-a,PPO,8.25,3.5,6.75\n"
+                    "grpo-a,GRPO,4.0,-1.0,2.5\n"
+                    "online-a,online DPO,2.0,1.5,None\n")  # no r_φ score recorded: skipped
+    assert figure.read_proxy_runs(str(path)) == [
+        {"method": "PPO", "kl": 8.25, "true": 3.5, "proxy": 6.75},
+        {"method": "GRPO", "kl": 4.0, "true": -1.0, "proxy": 2.5}]
+    assert figure.read_proxy_runs(str(tmp_path / "none.csv")) == [] == figure.read_proxy_runs("")
+
+
 # ==================================================================================================
 # study/explore.py: one label budget and one step budget, the contrasts, the decision rule
 # ==================================================================================================
