@@ -270,7 +270,7 @@ def evaluate_reference(R, cfg, d):
     ref, ref2 = load_model(R["sft"], d.device)[0], load_model(R["sft"], d.device)[0]
     held_out = SimpleNamespace(test_prompts=os.path.join(R["task"], "prompts_test.jsonl"),
                                val_prompts=os.path.join(R["task"], "prompts_val.jsonl"),
-                               eval_k=cfg.eval_k)
+                               eval_k=cfg.eval_k, reward_model=R["reward_model"])  # its r_φ score
     res = evaluate_held_out(ref, ref2, tok, held_out, d)
     check("true_reward" in res, f"{held_out.test_prompts}: no true reward; the frontier needs the "
           "built-in task's prompts, the only ones evaluate.py scores with its hidden reward")

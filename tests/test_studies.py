@@ -250,6 +250,8 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     assert all(r["kl_coef"] == "0.05" and r["beta"] == "" for r in rows[3:])
     assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows
                                                for k in ("kl", "true_reward", "win_rate"))
+    # every row carries r_φ's score, π_ref's and DPO's too (scored at evaluation only)
+    assert all(math.isfinite(float(r["reward_model_score"])) for r in rows)
     # the seeds trained differently
     assert rows[1]["kl"] != rows[2]["kl"] and rows[3]["kl"] != rows[4]["kl"] != rows[5]["kl"]
     md = (root / "out" / "frontier.md").read_text()
