@@ -142,25 +142,30 @@ def true_reward(prompt, response):
     """The hidden reward, read sentence by sentence as text_logprob reads prompt + response: a
     sentence that fills a template earns its words' weights; one that does not (chained
     adjectives, a wrong slot word, junk, words left without a closing ".", the first word glued to
-    the prompt's, or no sentence at all), and one past the MAX_SENTENCES-th of the whole text,
-    earns MALFORMED_SCORE instead. Every response the generator writes is in the language, so there
-    it is the plain sum of its word weights. Labels the pairs and scores evaluations; DPO never
-    calls it. The prompt's words do not count (for one prompt they would shift every completion's
-    reward alike); its sentences do, towards MAX_SENTENCES."""
+    the prompt's), and one past the MAX_SENTENCES-th of the whole text, earns MALFORMED_SCORE
+    instead. An empty response ends the text at the prompt: 0 where the prompt is a text of its
+    own (two sentences or more: the generator may stop there, and π_ref with it), MALFORMED_SCORE
+    after one sentence. Every response the generator writes is in the language, so there it is the
+    plain sum of its word weights. Labels the pairs and scores evaluations; DPO never calls it.
+    The prompt's words do not count (for one prompt they would shift every completion's reward
+    alike); its sentences do, towards MAX_SENTENCES."""
     body = response[1:] if response.startswith(" ") else response  # the space after the prompt
-    sentences, rest = _split(body)
-    sentences += [rest] * bool(rest)  # words without a period, or "" for an empty response
     start = len(_split(prompt)[0])
+    if response == "":
+        return 0.0 if start >= 2 else MALFORMED_SCORE
+    sentences, rest = _split(body)
+    sentences += [rest] * bool(rest)  # words without a period (or "" for a lone space)
     glued = bool(prompt) and not response.startswith(" ")
     return float(sum(sum(WEIGHTS.get(w, 0.0) for w in s)
                      if start + i < MAX_SENTENCES and not (glued and i == 0) and _template(s)
                      else MALFORMED_SCORE for i, s in enumerate(sentences)))
 
 def in_language(prompt, response):
-    """Whether a completion is one the task's generator could write after its prompt: at least one
-    sentence, and prompt + response a text of the language (text_logprob finite). For a prompt of
-    the task, exactly the completions on which true_reward charges no MALFORMED_SCORE."""
-    return response != "" and math.isfinite(text_logprob(prompt + response))
+    """Whether a completion is one the task's generator could write after its prompt: prompt +
+    response a text of the language (text_logprob finite; an empty response, where the prompt is
+    one). For a prompt of the task, exactly the completions on which true_reward charges no
+    MALFORMED_SCORE."""
+    return math.isfinite(text_logprob(prompt + response))
 
 def has_top_word(text):
     """Whether a text holds a top word (TOP_WORDS) as a word the hidden reward scores."""

@@ -3622,9 +3622,10 @@ def test_evaluation_scores_every_model_by_one_rule(tiny):  # noqa: F811
     # the policy never ends: every completion scores missing_eos_score (its words would pay 2N)
     assert (res["true_reward"], res["true_reward_std"], res["eos_rate"]) == (-3.0, 0.0, 0.0)
     assert res["response_len"] == N and res["true_reward_finished"] is None
-    # π_ref ends at once: finished, one token (the EOS), no sentence: the malformed penalty, -1
-    assert (res["ref_true_reward"], res["ref_eos_rate"], res["ref_response_len"]) == (-1, 1, 1)
-    assert res["ref_true_reward_finished"] == -1.0 and res["win_rate"] == 0.0  # -3 < -1, always
+    # π_ref ends at once: finished, one token (the EOS), no sentence: the malformed penalty, -1,
+    # after the one-sentence prompt; 0 after the two-sentence one, which is a text of its own
+    assert (res["ref_true_reward"], res["ref_eos_rate"], res["ref_response_len"]) == (-0.5, 1, 1)
+    assert res["ref_true_reward_finished"] == -0.5 and res["win_rate"] == 0.0  # -3 < -1, always
     # KL: every token is " great", N of them, log π(great) - log π_ref(great) each
     logits = lambda m: m.transformer.wte.weight[:, 0].detach()  # noqa: E731  (the constant logits)
     per_token = (F.log_softmax(logits(rambler), 0) - F.log_softmax(logits(quitter), 0))[great[0]]

@@ -99,8 +99,12 @@ def test_hand_worked_rewards():
     assert r(one, " the ending was great and great and great .") == PENALTY
     assert r(one, " the ending was great and superb . it felt great and great .") == 4.0 + PENALTY
     assert r(one, " the movie is great great .") == PENALTY
-    # no sentence at all
-    assert r(one, "") == PENALTY
+    # no sentence at all: the text ends at the prompt, a text of its own from two sentences on
+    # (the generator stops there as anywhere): nothing earned, nothing charged; after one, the
+    # penalty
+    assert r(one, "") == PENALTY and not tasks.in_language(one, "")
+    assert r(two, "") == 0.0 and tasks.in_language(two, "")
+    assert r(two, " ") == PENALTY and not tasks.in_language(two, " ")
     # a word of the wrong slot: a verb for an adjective, an adjective for a verb, a noun for a day
     assert r(one, " the movie is loved .") == PENALTY
     assert r(one, " i great the plot .") == PENALTY
@@ -232,7 +236,8 @@ def test_eval_reports_the_language_share_and_r_phi_score(tmp_path, monkeypatch):
                                  (" it felt great .", True),                            # +2, in
                                  (" it felt great .", False),                           # −3: cut
                                  (" it felt great . it felt superb .", True)]),         # +4, in
-              id(ref): (tok, [(" it felt fine .", True)] * 3 + [("", True)])}  # 3 × 0.5, −1
+              # 3 × 0.5, and 0: the text ends at prompt 2, a text of two sentences (in)
+              id(ref): (tok, [(" it felt fine .", True)] * 3 + [("", True)])}
     monkeypatch.setattr(evaluate, "generate", scripted_generate(script))
     rm_dir = tmp_path / "reward"
     rm_dir.mkdir()
@@ -243,8 +248,8 @@ def test_eval_reports_the_language_share_and_r_phi_score(tmp_path, monkeypatch):
                           eval_k=2, reward_model=str(rm_dir / "model.safetensors"))
     ev = evaluate.evaluate_held_out(policy, ref, tok, cfg, init_distributed(),
                                     missing_eos_score=-3.0)
-    assert ev["true_reward"] == (-1 + 2 - 3 + 4) / 4 and ev["ref_true_reward"] == (1.5 - 1) / 4
-    assert (ev["in_language"], ev["ref_in_language"]) == (2 / 4, 3 / 4)
+    assert ev["true_reward"] == (-1 + 2 - 3 + 4) / 4 and ev["ref_true_reward"] == 1.5 / 4
+    assert (ev["in_language"], ev["ref_in_language"]) == (2 / 4, 4 / 4)
     # r_φ reads 0.75 everywhere; the completion cut at the budget scores −3, as PPO's rule
     assert ev["reward_model_score"] == (0.75 * 3 - 3) / 4 and ev["ref_reward_model_score"] == 0.75
     assert (ev["pool_best"], ev["beyond_pool"], ev["ref_beyond_pool"]) == (2.0, 1 / 4, 0.0)
