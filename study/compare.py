@@ -53,7 +53,7 @@ from checkpoint import (atomic_copy, atomic_write_json, checkpoint_state, load_c
                         tokenizer_beside)
 from plumbing import (atomic_write_text, barrier, check, fmt_duration, init_distributed,
                       main_decides, parse_config, require_stage, teardown)
-from evaluate import evaluate_held_out, evaluate_policy
+from evaluate import evaluate_held_out, evaluate_policy, load_reward_model
 from model import load_model
 from study import costs
 from study.results import flags, launcher, write_section
@@ -295,7 +295,8 @@ def evaluate_checkpoint(stage, c, d, prompts=None):
     load_checkpoint(os.path.join(c.out_dir, "ckpt"), {name: policy}, d.device)
     prompts = prompts or c.test_prompts
     return evaluate_policy(policy, ref, tok, data.read_prompts(prompts), d, k=c.eval_k,
-                           pool_best=task_pool_best(prompts))
+                           pool_best=task_pool_best(prompts), reward_model=load_reward_model(
+                               getattr(c, "reward_model", ""), tok, d.device))
 
 
 def train_in_chunks(stage, c, points, d, resume, test=True, val_at=None):

@@ -65,7 +65,8 @@ def runs(cfg):
         for n in [int(v) for v in floats(cfg.dpo_steps)]:
             out += [(f"dpo-lr{lr:g}-steps{n}-seed{s}", dpo, dpo.Config(
                 out_dir=f"{cfg.out_dir}/dpo-lr{lr:g}-steps{n}-seed{s}", beta=cfg.beta, lr=lr,
-                steps=n, seed=s, test_prompts=VAL)) for s in seeds]
+                steps=n, seed=s, test_prompts=VAL, reward_model=ppo.Config.reward_model))
+                for s in seeds]
     base = ppo.Config(test_prompts=VAL)
     grid = [("lr", lr) for lr in floats(cfg.ppo_lrs)] + \
         [("ppo_epochs", int(e)) for e in floats(cfg.ppo_epochs) if e != base.ppo_epochs] + \
@@ -110,9 +111,11 @@ def markdown(rows, cfg, walls):
              pm(*mean_se([r["kl"] for r in rs]), ".2f"),
              pm(*mean_se([r["true_reward"] for r in rs]), "+.2f"),
              pm(*mean_se([r["eos_rate"] for r in rs]), ".3f"),
+             pm(*mean_se([r["in_language"] for r in rs]), ".3f"),
+             pm(*mean_se([r["reward_model_score"] for r in rs]), "+.2f"),
              pm(*mean_se([r["response_len"] for r in rs]), ".1f"), len(rs)])
     head = ["setting", "step", "responses", "loop FLOPs", "KL(π‖π_ref) nats", "true reward",
-            "EOS rate", "response tokens", "seeds"]
+            "EOS rate", "in language", "r_φ score", "response tokens", "seeds"]
     spent = []
     for m in ("dpo", "ppo"):  # each run's last point holds its whole budget
         ends = [r for r in rows if r["run"].startswith(m) and r["last"]]

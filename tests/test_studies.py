@@ -84,6 +84,8 @@ def test_tune_varies_one_factor_at_a_time_at_one_budget_in_rollouts(tmp_path):
     assert sorted((c.lr, c.steps, c.seed) for c in dpos) == sorted(
         (lr, n, s) for lr in (1e-4, 3e-4, 1e-3) for n in (100, 200, 300) for s in (1, 2))
     assert all(c.beta == cfg.beta for c in dpos)
+    # DPO's evaluation reads r_φ too, so its rows carry r_φ's score beside PPO's
+    assert {c.reward_model for c in dpos} == {"out/reward/model.safetensors"}
     names = [name for name, _, c in runs]
     assert len(set(names)) == len(names) and all(
         c.out_dir == f"{tmp_path}/{name}" for name, _, c in runs)
@@ -270,6 +272,8 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
         assert float(c[0]["flops"]) == 0 < float(c[1]["flops"]) < float(c[2]["flops"])
     # 2 x 64 pairs; 64 rollouts
     assert [int(r["responses"]) for r in curves] == [0, 128, 256, 0, 64, 128]
+    # every point scored by r_φ too, the checkpoints between the ends included
+    assert all(math.isfinite(float(r["reward_model_score"])) for r in curves)
     with open(root / "out" / "costs.json") as f:
         res = json.load(f)
     for job in costs.JOBS:
