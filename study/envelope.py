@@ -1,6 +1,6 @@
 """The statistics the quality verdict is read with: what a method attains at a KL, how sure we are.
 
-    pytest tests/test_envelope.py           # the tests: hulls, selection, bootstrap, t-intervals
+    pytest tests/test_envelope.py           # the tests: hulls, selection, t-intervals
 
 Pure functions of numbers, no torch. A method is trained at several configurations (DPO β × lr, PPO
 KL coefficient), each once per training seed; every run is evaluated on validation and on test
@@ -11,13 +11,13 @@ test_reward]}, KL(π‖π_ref) in nats, the hidden true reward in its own units.
   envelope of the points it reached, read only between its measured ends.
 - Selection reads validation only (which configurations are the envelope's vertices), reported
   numbers read test only (the envelope of those configurations' test means).
-- Intervals are 95%: a percentile bootstrap over seeds for a matched-KL difference, Student t
-  across seeds for a mean, Welch for a difference of means. A difference counts when its 95%
-  interval excludes 0.
+- Intervals are 95% and Student t: across seeds for a mean, Welch for a difference of means,
+  Welch–Satterthwaite for a weighted sum of independent configurations' means (a matched-KL
+  difference). A difference counts when its 95% interval excludes 0. Not a percentile bootstrap:
+  over 4 seeds it treats the 4 values as the population and is about half as wide as t(3)'s.
 """
 import itertools
 import math
-import random
 from statistics import fmean, variance
 
 # Student t's 0.975 quantile for df 1..30 (two-sided 95%); the normal's beyond
@@ -45,15 +45,23 @@ def upper_envelope(points):
     return hull
 
 
+def bracket(vertices, x):
+    """(v0, v1, w): the two vertices whose segment holds KL x, and x's share of the way from v0 to
+    v1, so the envelope at x is (1 − w)·y0 + w·y1 (0 < w < 1: read off the chord, where no vertex
+    lies); (v, v, 0) for a single vertex at x; None outside [first kl, last kl]."""
+    if not vertices or not vertices[0][0] <= x <= vertices[-1][0]:
+        return None
+    for v0, v1 in itertools.pairwise(vertices):
+        if x <= v1[0]:
+            return v0, v1, (x - v0[0]) / (v1[0] - v0[0])
+    return vertices[-1], vertices[-1], 0.0  # a single vertex, and x is its kl
+
+
 def envelope_at(vertices, x):
     """The envelope's value at KL x, linear between the two vertices that bracket x; None outside
     [first kl, last kl]: no extrapolation, a number only where the method has measured points."""
-    if not vertices or not vertices[0][0] <= x <= vertices[-1][0]:
-        return None
-    for (x0, y0), (x1, y1) in itertools.pairwise(vertices):
-        if x <= x1:
-            return y0 + (x - x0) / (x1 - x0) * (y1 - y0)
-    return vertices[-1][1]  # a single vertex, and x is its kl
+    b = bracket(vertices, x)
+    return None if b is None else b[0][1] + b[2] * (b[1][1] - b[0][1])
 
 
 def mean_point(runs, split):
@@ -72,35 +80,48 @@ def select_on_val(configs):
     return selected, upper_envelope([mean_point(configs[n], "test") for n in selected])
 
 
-def percentile(xs, q):
-    """The q-quantile (0 ≤ q ≤ 1) of sorted xs, linear between order statistics."""
-    i = q * (len(xs) - 1)
-    lo = math.floor(i)
-    return xs[lo] + (i - lo) * (xs[min(lo + 1, len(xs) - 1)] - xs[lo])
+def envelope_weights(configs, x):
+    """{name: weight}: the test envelope of configs at KL x, after selection on validation, as a
+    weighted sum Σ weight·(mean test reward) of the configurations at the vertices that bracket x
+    (weights > 0, summing to 1; one configuration at a vertex); None outside the envelope."""
+    selected, env = select_on_val(configs)
+    b = bracket(env, x)
+    if b is None:
+        return None
+    name = {mean_point(configs[n], "test"): n for n in selected}  # each vertex's configuration
+    weights = {}
+    for v, w in ((b[0], 1 - b[2]), (b[1], b[2])):
+        if w > 0:
+            weights[name[v]] = weights.get(name[v], 0.0) + w
+    return weights
 
 
-def matched_difference(a, b, x, n_boot=2000, seed=0, level=0.95):
+def matched_difference(a, b, x):
     """Method a's test envelope minus method b's at KL x, each after selection on validation, with
-    a percentile bootstrap interval over seeds. a, b: configs. Returns {"diff": the difference from
-    all the data (None where either envelope does not reach x), "low", "high": the level interval of
-    the replicates where both reach x (None if none does), "defined": the share of such replicates}.
-    Each replicate resamples every configuration's seeds with replacement, each configuration on its
-    own (its runs are independent of the others'), and redoes the selection: choosing is part of
-    the estimate, so its variance is in the interval. Deterministic given seed."""
-    def diff(a, b):
-        ya, yb = envelope_at(select_on_val(a)[1], x), envelope_at(select_on_val(b)[1], x)
-        return None if ya is None or yb is None else ya - yb
+    its 95% t-interval. a, b: configs. Returns {"diff", "low", "high"}, all None where either
+    envelope does not reach x; low and high None where no configuration it reads has two seeds.
 
-    rng = random.Random(seed)
-
-    def resample(configs):
-        return {name: rng.choices(runs, k=len(runs)) for name, runs in configs.items()}
-
-    reps = sorted(d for d in (diff(resample(a), resample(b)) for _ in range(n_boot))
-                  if d is not None)
-    low, high = ((percentile(reps, (1 - level) / 2), percentile(reps, (1 + level) / 2))
-                 if reps else (None, None))
-    return {"diff": diff(a, b), "low": low, "high": high, "defined": len(reps) / n_boot}
+    The selection is made once, on the validation means; at x each envelope is then a weighted sum
+    of one or two configurations' mean test rewards (envelope_weights), so the difference is
+    Σ wᵢ·mean(rᵢ) over independent groups of seeds (a's weights +, b's −; each configuration's
+    seeds are runs of their own) and its interval is contrast_interval's: ± t(ν)·se with
+    se² = Σ wᵢ²·sᵢ²/nᵢ and ν by Welch–Satterthwaite. A configuration run once (π_ref: untrained,
+    no training seed moves it) adds its value and no spread. The interval is conditional on the
+    selection and on the vertices' mean KLs (the weights): it holds the spread of the rewards it
+    averages, not the chance that other seeds would choose other vertices. (A percentile bootstrap
+    that redid the selection per replicate would hold that too, but over 4 seeds it is about half
+    as wide as t(3)'s interval: it treats the 4 values as the population.)"""
+    wa, wb = envelope_weights(a, x), envelope_weights(b, x)
+    if wa is None or wb is None:
+        return {"diff": None, "low": None, "high": None}
+    terms = [(w, a[n]) for n, w in wa.items()] + [(-w, b[n]) for n, w in wb.items()]
+    rewards = [(w, [r["test_reward"] for r in runs]) for w, runs in terms]
+    fixed = sum(w * xs[0] for w, xs in rewards if len(xs) == 1)
+    spread = [(w, xs) for w, xs in rewards if len(xs) > 1]
+    if not spread:
+        return {"diff": fixed, "low": None, "high": None}
+    d, low, high = contrast_interval(spread)
+    return {"diff": fixed + d, "low": fixed + low, "high": fixed + high}
 
 
 def t_quantile(df, p=0.975):
@@ -139,14 +160,14 @@ def welch_interval(xs, ys):
 
 
 def contrast_interval(groups):
-    """(d, low, high): d = Σ sign·mean(xs) over independent groups [(sign, xs)] of seeds, and its
-    95% interval d ± t(ν)·se, se² = Σ s²/n and ν by Welch–Satterthwaite, (Σ s²/n)² /
-    Σ (s²/n)²/(n − 1). Two groups (+1, xs), (−1, ys): Welch's interval; four: a difference in
-    differences, (a − b) − (c − e)."""
-    d = sum(sign * fmean(xs) for sign, xs in groups)
+    """(d, low, high): d = Σ w·mean(xs) over independent groups [(w, xs)] of seeds, and its 95%
+    interval d ± t(ν)·se, se² = Σ w²·s²/n and ν by Welch–Satterthwaite, (Σ w²s²/n)² /
+    Σ (w²s²/n)²/(n − 1). Two groups (+1, xs), (−1, ys): Welch's interval; four of weight ±1: a
+    difference in differences, (a − b) − (c − e); weights between: points read off chords."""
+    d = sum(w * fmean(xs) for w, xs in groups)
     if any(len(xs) < 2 for _, xs in groups):
         return d, None, None
-    v = [variance(xs) / len(xs) for _, xs in groups]
+    v = [w * w * variance(xs) / len(xs) for w, xs in groups]
     if sum(v) == 0:
         return d, d, d
     df = sum(v) ** 2 / sum(vi ** 2 / (len(xs) - 1) for vi, (_, xs) in zip(v, groups))

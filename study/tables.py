@@ -1,6 +1,6 @@
 """study.compare's tables: its statistics over seeds, and the markdown, CSV and plots it writes
-from one row per run (compare.frontier's rows). Pure functions of those rows; the envelope, the
-bootstrap and the intervals they quote come from study/envelope.py.
+from one row per run (compare.frontier's rows). Pure functions of those rows; the envelope and the
+intervals they quote come from study/envelope.py.
 
     python -m study.compare     # writes them (out/compare/frontier.md, RESULTS.md's sections)
 """
@@ -175,8 +175,16 @@ def frontier_markdown(rows, cfg):
             "section's own wall time can be far shorter).")
 
 
+# a cell read between two envelope vertices further apart (nats of KL) is marked "(chord)": the
+# widest step of the default --match_kls grid (1,2,4,6,8), so a longer chord can hold a row of the
+# grid with no vertex of the envelope within a step of it
+CHORD_MAX = 2.0
+
+
 def matched_kl_markdown(rows, cfg):
-    """One regime's methods at --match_kls, each read off its envelope (study/envelope.py)."""
+    """One regime's methods at --match_kls, each read off its envelope (study/envelope.py); a cell
+    read off a chord longer than CHORD_MAX nats is marked "(chord)", and the note lists those
+    chords per method."""
     groups = settings(rows)
     methods = [m for m in METHODS if any(k[0] == m for k in groups)]
     configs = {m: envelope_configs(groups, m) for m in methods}
@@ -188,14 +196,19 @@ def matched_kl_markdown(rows, cfg):
     for x in floats(cfg.match_kls):
         cells = [f"{x:g}"]
         for m in methods:
-            y = envelope.envelope_at(env[m], x)
-            cells.append("–" if y is None else f"{y:+.3f}")
+            y, b = envelope.envelope_at(env[m], x), envelope.bracket(env[m], x)
+            chord = b is not None and 0 < b[2] < 1 and b[1][0] - b[0][0] > CHORD_MAX
+            cells.append("–" if y is None else f"{y:+.3f}" + (" (chord)" if chord else ""))
         for m in versus:
             r = envelope.matched_difference(configs[m], configs["PPO"], x)
             cells.append("–" if r["diff"] is None else f"{r['diff']:+.2f}" + (
                 f" [{r['low']:+.2f}, {r['high']:+.2f}]" if r["low"] is not None else ""))
         body.append(cells)
     ends = "; ".join(f"{m} {env[m][0][0]:.2f} to {env[m][-1][0]:.2f}" for m in methods if env[m])
+    gaps = {m: [(v0[0], v1[0]) for v0, v1 in zip(env[m], env[m][1:]) if v1[0] - v0[0] > CHORD_MAX]
+            for m in methods}
+    chords = "; ".join(f"{m} " + ", ".join(f"{x0:.2f} to {x1:.2f}" for x0, x1 in g)
+                       for m, g in gaps.items() if g) or "none"
     md = table(["KL(π‖π_ref) nats"] + [f"{m} true reward" for m in methods]
                + [f"{m} − PPO [95% CI]" for m in versus], body)
     if all(c == "–" for cells in body for c in cells[1:]):  # no table of dashes
@@ -207,9 +220,15 @@ def matched_kl_markdown(rows, cfg):
             "of two policies (one of them at random per prompt) attains their weighted reward at "
             "no more than their weighted KL, so every point of the envelope is attainable "
             "(evaluate.evaluate_mixture, tested). –: outside the envelope's measured range "
-            f"({ends} nats). Differences: 95% percentile bootstrap over seeds (each "
-            "configuration's seeds resampled, the selection on validation redone per replicate, "
-            "2,000 replicates); a difference counts when its interval excludes 0.")
+            f"({ends} nats). (chord): read between two vertices more than {CHORD_MAX:g} nats "
+            "apart, a mixture of two configurations where no vertex of the envelope lies, so a "
+            "lower bound of what the method attains there, not a run's measurement; such chords: "
+            f"{chords} (nats). Differences: the selection made once on the validation "
+            "means, each envelope at x is a weighted sum of one or two configurations' mean test "
+            "rewards; 95% t-interval of that difference, se² = Σ w²·s²/n over the configurations' "
+            "seeds (independent runs; π_ref, run once, adds no spread), degrees of freedom by "
+            "Welch–Satterthwaite (study/envelope.py, matched_difference); a difference counts "
+            "when its interval excludes 0.")
 
 
 def j_beta_markdown(rows, cfg):

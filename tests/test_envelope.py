@@ -1,19 +1,21 @@
 """study/envelope.py's tests: hulls and their values by hand, selection on validation against a
-configuration that is best on test only, the bootstrap's interval, determinism, width and coverage
-of x, the t table against the t density integrated, and the intervals by hand.
+configuration that is best on test only, the matched-KL difference and its t-interval by hand and
+its coverage over simulated seeds, the t table against the t density integrated, and the intervals
+by hand.
 
     pytest tests/test_envelope.py
 """
 import itertools
 import math
 import random
-import statistics
 
 import pytest
 
 from study import envelope
 from study.envelope import (
+    bracket,
     envelope_at,
+    envelope_weights,
     j_beta,
     matched_difference,
     mean_interval,
@@ -66,6 +68,17 @@ def test_envelope_at_vertices_between_and_outside():
     assert envelope_at([], 0.0) is None
 
 
+def test_bracket_by_hand():
+    v = [(1.0, 2.0), (3.0, 4.0), (5.0, 4.5)]
+    # a quarter of the way from the first vertex to the second; at a vertex, the end of a segment
+    assert bracket(v, 1.5) == ((1.0, 2.0), (3.0, 4.0), 0.25)
+    assert bracket(v, 4.5) == ((3.0, 4.0), (5.0, 4.5), 0.75)
+    assert bracket(v, 1.0) == ((1.0, 2.0), (3.0, 4.0), 0.0)
+    assert bracket(v, 3.0) == ((1.0, 2.0), (3.0, 4.0), 1.0)
+    assert bracket([(2.0, 1.0)], 2.0) == ((2.0, 1.0), (2.0, 1.0), 0.0)
+    assert bracket(v, 0.5) is None and bracket(v, 5.5) is None and bracket([], 0.0) is None
+
+
 # ==================================================================================================
 # selection on validation, and the bootstrap over seeds
 # ==================================================================================================
@@ -104,48 +117,74 @@ def run(kl, reward):
     return {"val_kl": kl, "val_reward": 0.0, "test_kl": kl, "test_reward": reward}
 
 
-def test_percentile_by_hand():
-    assert envelope.percentile([0.0, 1.0, 2.0, 3.0], 0.5) == 1.5
-    assert envelope.percentile([0.0, 10.0], 0.025) == pytest.approx(0.25)
-    assert envelope.percentile([0.0, 10.0], 1.0) == 10.0 and envelope.percentile([5.0], 0.3) == 5.0
+def test_envelope_weights_by_hand():
+    # val means: lo (0, 0), hi (2, 0), both vertices; test means lo (0, 0.5), hi (2, 0)
+    a = {"lo": [run(0.0, 0.0), run(0.0, 1.0)], "hi": [run(2.0, 0.0)]}
+    assert envelope_weights(a, 0.5) == {"lo": 0.75, "hi": 0.25}
+    assert envelope_weights(a, 2.0) == {"hi": 1.0} and envelope_weights(a, 0.0) == {"lo": 1.0}
+    assert envelope_weights(a, 2.5) is None
 
 
 def test_matched_difference_by_hand():
-    # a: "lo" at KL 0 with test rewards 0 and 1, "hi" at KL 2 with reward 0; b: 0 everywhere. At
-    # x = 1 the difference is half lo's mean: 0.25. A resample's mean is 0, 0.5 or 1 (1/4, 1/2, 1/4)
-    # so the replicates are 0, 0.25, 0.5 and their 2.5% and 97.5% percentiles 0 and 0.5
-    a = {"lo": [run(0.0, 0.0), run(0.0, 1.0)], "hi": [run(2.0, 0.0)]}
+    # a: "lo" at KL 0 with test rewards 0 and 1, "hi" at KL 2 with reward 1; b: 0 everywhere. At
+    # x = 1 the difference is half lo's mean plus half hi's: 0.25 + 0.5 = 0.75. Every other
+    # configuration ran once (adds its value, no spread), so the interval is lo's alone: weight
+    # 1/2, s² = 1/2, n = 2, so se² = (1/4)(1/2)/2 = 1/16, se = 1/4, ν = 1: t(1) = 12.706,
+    # half-width 3.1765
+    a = {"lo": [run(0.0, 0.0), run(0.0, 1.0)], "hi": [run(2.0, 1.0)]}
     b = {"lo": [run(0.0, 0.0)], "hi": [run(2.0, 0.0)]}
-    assert matched_difference(a, b, 1.0) == {"diff": 0.25, "low": 0.0, "high": 0.5, "defined": 1.0}
-    assert matched_difference(b, a, 1.0)["diff"] == -0.25
+    r = matched_difference(a, b, 1.0)
+    assert r == pytest.approx({"diff": 0.75, "low": 0.75 - 3.1765, "high": 0.75 + 3.1765},
+                              abs=1e-12)
+    assert matched_difference(b, a, 1.0) == pytest.approx(
+        {"diff": -0.75, "low": -0.75 - 3.1765, "high": -0.75 + 3.1765}, abs=1e-12)
+    # nothing ran twice: a difference, no interval
+    assert matched_difference(b, b, 1.0) == {"diff": 0.0, "low": None, "high": None}
 
 
-def test_matched_difference_is_the_bootstrap_percentile_interval():
-    # one configuration at KL 1 on every seed: its envelope is one vertex, read at x = 1 as its mean
-    # reward, so the replicates are bootstrap means of the 30 rewards: close to normal, of sd
-    # √(σ²/30) with σ² their population variance, and the 95% interval is 1.96 sd either side
-    rewards = [i / 29 for i in range(30)]
-    a, b = {"c": [run(1.0, r) for r in rewards]}, {"c": [run(1.0, 0.0)]}
-    r = matched_difference(a, b, 1.0, n_boot=10000)
-    sd = math.sqrt(statistics.pvariance(rewards) / 30)
-    assert r["diff"] == pytest.approx(0.5, abs=1e-12)
-    assert (r["diff"] - r["low"]) / sd == pytest.approx(1.96, abs=0.1)
-    assert (r["high"] - r["diff"]) / sd == pytest.approx(1.96, abs=0.1)
+def test_matched_difference_reads_four_configurations_off_two_chords_by_hand():
+    a = {"p": [run(1, 1.0), run(1, 2.0), run(1, 3.0)], "q": [run(3, 2.0), run(3, 4.0), run(3, 6.0)]}
+    b = {"r": [run(0, 0.0), run(0, 1.0)],
+         "s": [run(4, 2.0), run(4, 4.0), run(4, 3.0), run(4, 7.0)]}
+    # at x = 1.5, a reads p (1, 2) and q (3, 4) at w = 1/4: 3/4·2 + 1/4·4 = 2.5; b reads r (0, 0.5)
+    # and s (4, 4) at w = 3/8: 5/8·0.5 + 3/8·4 = 1.8125; d = 0.6875.
+    # w²·s²/n: p (9/16)(1/3) = 3/16, q (1/16)(4/3) = 1/12, r (25/64)(1/4) = 25/256,
+    # s (9/64)(7/6) = 21/128; se² = 409/768, se = 0.729762.
+    # ν = (409/768)² / ((3/16)²/2 + (1/12)²/2 + (25/256)²/1 + (21/128)²/3) = 167281/23333 = 7.169;
+    # t between df 7 and 8 at (1/7 − 1/ν)/(1/7 − 1/8) = 0.188904: 2.365 − 0.059·that = 2.353855;
+    # half-width 2.353855 · 0.729762 = 1.717753
+    r = matched_difference(a, b, 1.5)
+    assert r["diff"] == pytest.approx(0.6875, abs=1e-12)
+    assert (r["low"], r["high"]) == pytest.approx((0.6875 - 1.717753, 0.6875 + 1.717753), abs=1e-6)
 
 
-def test_matched_difference_holds_its_estimate_and_is_deterministic_for_a_seed():
+def test_matched_difference_covers_the_true_difference_95_times_in_100():
+    # 4 seeds a configuration, each its own spread: the t-interval covers the true difference at
+    # x = 1.5, 3/4·1 + 1/4·3 − (3/4·0 + 1/4·2) = 1, in 95% of 2,000 draws (± 1% of chance); a
+    # percentile bootstrap over the 4 seeds, or the normal's 1.96 for t, covers far fewer
+    rng = random.Random(0)
+    mu, sd = {1: (1.0, 0.0), 3: (3.0, 2.0)}, {1: (1.0, 0.5), 3: (2.0, 3.0)}
+    hits = 0
+    for _ in range(2000):
+        a, b = ({f"kl{k}": [run(k, rng.gauss(mu[k][i], sd[k][i])) for _ in range(4)]
+                 for k in (1, 3)} for i in (0, 1))
+        r = matched_difference(a, b, 1.5)
+        hits += r["low"] <= 1.0 <= r["high"]
+    assert 0.935 < hits / 2000 < 0.975
+
+
+def test_matched_difference_is_the_envelopes_difference_within_its_interval():
     kls = (1, 2, 3, 4, 5)
     a, b = method(0.5, kls, 3, 0.1, seed=1), method(0.0, kls, 3, 0.1, seed=2)
-    r = matched_difference(a, b, 3.0, seed=7)
-    assert r["low"] < r["diff"] < r["high"] and 0.2 < r["diff"] < 0.8 and r["defined"] == 1.0
-    assert matched_difference(a, b, 3.0, seed=7) == r
-    assert matched_difference(a, b, 3.0, seed=8) != r  # the seed drives the resampling
-    half = matched_difference(a, b, 3.0, seed=7, level=0.5)
-    assert r["low"] < half["low"] < half["high"] < r["high"] and half["diff"] == r["diff"]
+    r = matched_difference(a, b, 3.3)
+    d = envelope_at(select_on_val(a)[1], 3.3) - envelope_at(select_on_val(b)[1], 3.3)
+    assert r["diff"] == pytest.approx(d, abs=1e-12) and r["low"] < r["diff"] < r["high"]
+    assert 0.2 < r["diff"] < 0.8
 
 
-def test_matched_difference_narrows_with_more_seeds_of_the_same_spread():
-    # the same three seeds' offsets from each configuration's (k, √k + shift), once and nine times
+def test_matched_difference_at_a_vertex_is_welchs_interval_by_hand():
+    # the same three seeds' offsets from each configuration's (k, √k + shift), once and nine times;
+    # at x = 3, a vertex, each side reads configuration 3 alone: Welch's interval of its rewards
     offsets = [(-0.2, 0.1), (0.0, -0.2), (0.2, 0.1)]
 
     def repeated(shift, m):
@@ -153,24 +192,26 @@ def test_matched_difference_narrows_with_more_seeds_of_the_same_spread():
                      for q, v in (("kl", k + dk), ("reward", math.sqrt(k) + shift + dr))}
                     for dk, dr in offsets * m] for k in (1, 2, 3, 4, 5)}
 
-    def width(m):
-        r = matched_difference(repeated(0.5, m), repeated(0.0, m), 3.0, n_boot=1000)
+    def half(m):
+        r = matched_difference(repeated(0.5, m), repeated(0.0, m), 3.0)
         assert r["diff"] == pytest.approx(0.5, abs=1e-12)
-        return r["high"] - r["low"]
-    # 9× the seeds: a third of the width for a normal mean; here a little more, three seeds'
-    # resamples having heavy tails (all three the same seed: 1 time in 9)
-    assert width(9) < 0.6 * width(1)
+        return (r["high"] - r["low"]) / 2
+    # once: s² = (0.01 + 0.04 + 0.01)/2 = 0.03 each side, se² = 2·0.03/3 = 0.02, ν = 4:
+    # 2.776·√0.02 = 0.392586
+    assert half(1) == pytest.approx(0.392586, abs=1e-6)
+    # nine times: s² = 0.54/26, se² = 2·s²/27 = 1/650, ν = 52: t = 2.042 − (1 − 30/52)·0.082 =
+    # 2.007308, half-width 2.007308·√(1/650) = 0.078733
+    assert half(9) == pytest.approx(0.078733, abs=1e-6)
 
 
 def test_matched_difference_is_defined_only_where_both_envelopes_reach():
     a = method(0.5, (1, 2, 3, 4, 5, 6), 3, 0.1, seed=5)
     b = method(0.0, (1, 2, 3, 4), 3, 0.1, seed=6)
-    edge = select_on_val(b)[1][-1][0]  # b's largest test KL: reached by about half the resamples
-    r = matched_difference(a, b, edge, n_boot=1000)
-    assert r["diff"] is not None and 0.2 < r["defined"] < 0.8
-    assert matched_difference(a, b, 2.5, n_boot=200)["defined"] == 1.0
-    assert matched_difference(a, b, 5.5, n_boot=200) == {"diff": None, "low": None, "high": None,
-                                                         "defined": 0.0}
+    edge = select_on_val(b)[1][-1][0]  # b's largest test KL
+    r = matched_difference(a, b, edge)
+    assert r["diff"] is not None and r["low"] < r["diff"] < r["high"]
+    assert matched_difference(a, b, edge + 1e-9) == {"diff": None, "low": None, "high": None}
+    assert matched_difference(a, b, 0.5) == {"diff": None, "low": None, "high": None}
 
 
 # ==================================================================================================

@@ -24,10 +24,12 @@ from safetensors.torch import load_file, save_file
 
 import data
 import dpo
+import grpo
 import iterative_dpo
 import ppo
 import precompute
 import task as tasks  # the built-in task (as test_all.py names it)
+from meter import estimate_flops
 from model import GPT, GPTConfig, load_model
 from plumbing import init_distributed
 from study import compare, costs, envelope, eos, explore, figure, gpu, results, tables, tune
@@ -146,6 +148,27 @@ def test_frontier_tables_select_on_validation_and_flag_by_hand():
     # DPO − PPO: 1.8 − (1.0 − 0.1·2 = 0.8) = +1.00, each side spread ±0.1 over its 2 seeds
     welch = [f"{v:+.2f}" for v in envelope.welch_interval([1.7, 1.9], [0.7, 0.9])]
     assert f"| +1.00 [{welch[1]}, {welch[2]}] |" in jb
+
+
+def test_matched_kl_marks_cells_read_off_a_long_chord_by_hand():
+    ref = dict(frontier_row("π_ref", ("", ""), "", 0.0, 0.0, 0.0), beta="", kl_coef="", lr="")
+    rows = [ref]
+    for seed, e in ((1, -0.1), (2, 0.1)):
+        # DPO's envelope: (0, 0) to (5, 5), one chord of 5 nats; PPO's: (0, 0), (1, 2), (3, 3),
+        # (6, 3.5), chords of 1, 2 (not more than CHORD_MAX = 2: no mark) and 3 nats
+        rows += [frontier_row("DPO", (0.1, 1e-3), seed, 5.0, 5.0 + e, 5.0 + e),
+                 frontier_row("PPO", (0.1, 1e-4), seed, 1.0, 2.0 + e, 2.0 + e),
+                 frontier_row("PPO", (0.03, 1e-4), seed, 3.0, 3.0 + e, 3.0 + e),
+                 frontier_row("PPO", (0.01, 1e-4), seed, 6.0, 3.5 + e, 3.5 + e)]
+    mk = tables.matched_kl_markdown(rows, compare.Config(match_kls="0.5,2,4,5,6"))
+    row = lambda x: next(r for r in mk.splitlines() if r.startswith(f"| {x} |"))  # noqa: E731
+    assert row(0.5).startswith("| 0.5 | +0.500 (chord) | +1.000 | ")
+    assert row(2).startswith("| 2 | +2.000 (chord) | +2.500 | ")
+    # PPO at 4: a third of the way from (3, 3) to (6, 3.5)
+    assert row(4).startswith("| 4 | +4.000 (chord) | +3.167 (chord) | ")
+    assert row(5).startswith("| 5 | +5.000 | +3.333 (chord) | ")  # DPO at its vertex: no mark
+    assert row(6).startswith("| 6 | – | +3.500 | ")
+    assert "such chords: DPO 0.00 to 5.00; PPO 3.00 to 6.00 (nats)." in mk
 
 
 def test_samples_show_each_methods_chosen_configuration_first_seed_by_hand():
@@ -280,9 +303,10 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
         r = res["jobs"][job]
         assert (r["bytes_analytic"] == r["bytes_measured"]
                 and r["flops_analytic"] == r["flops_counted"]), job
-    assert res["jobs"]["ppo"]["bytes_analytic"]["total"] \
-        > res["jobs"]["dpo_live"]["bytes_analytic"]["total"] \
-        > res["jobs"]["dpo_cache"]["bytes_analytic"]["total"]
+    held = {job: res["jobs"][job]["bytes_analytic"]["total"] for job in costs.JOBS}
+    assert held["ppo"] > held["grpo"] == held["online_dpo"] > held["dpo_live"] > held["dpo_cache"]
+    # GRPO's wall time is grpo.py's own run: its phases, no critic's
+    assert set(res["jobs"]["grpo"]["time"]["phases"]) == set(grpo.PHASES)
     # iterative DPO's wall per step, composed in each round: the cached step, and 20 pairs at
     # online DPO's rollout time per pair and the precompute's time per pair
     n_pairs = res["n_pairs"]
@@ -430,12 +454,31 @@ def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F
     it, on, a = flops["iterative_dpo"], flops["online_dpo"], costs.ITERATIVE_SHARE
     assert a == 0.3125 and it["policy"] == on["policy"]
     assert (it["rollout"], it["precompute"]) == (a * on["rollout"], a * on["reference"])
+    # GRPO's iteration: groups of 4 completions of a prompt, several tokens sampled, and at its
+    # shapes PPO's FLOPs less the critic's: a forward, and ppo_epochs of forward and backward
+    g, s = shapes["grpo"], replace(c, head="scalar")
+    assert g["B"] == 8 and g["T"] > g["P"] + 1 and g["epochs"] == grpo.Config.ppo_epochs
+    p = costs.iteration_flops(c, "ppo", **g)
+    assert flops["grpo"] == {
+        "rollout": p["rollout"], "reward": p["reward"],
+        "ref_old": p["ref_critic"] - estimate_flops(s, g["B"], g["T"]),
+        "update": p["update"] - g["epochs"] * estimate_flops(s, g["B"], g["T"], backward=True)}
     # at 7B its training job holds what cached DPO's does; a token costs more than cached DPO's
     # (the round's sampling) and less than online DPO's (a share of it, no r_φ, no live π_ref)
     big = costs.at_7b()["jobs"]
     assert big["iterative_dpo"]["bytes_per_gpu"] == big["dpo_cache"]["bytes_per_gpu"]
     assert (big["dpo_cache"]["flops_per_token"] < big["iterative_dpo"]["flops_per_token"]
             < big["online_dpo"]["flops_per_token"])
+    # and GRPO at 7B holds online DPO's four models, PPO's five but the critic, whose state and
+    # work (per token of a 512-token rollout) are all that it saves
+    critic = GPTConfig(block_size=512, vocab_size=32000, n_layer=32, n_head=32, n_embd=4096,
+                       bias=False, head="scalar")
+    assert big["grpo"]["bytes_per_gpu"] == big["online_dpo"]["bytes_per_gpu"]
+    for sh, v in big["ppo"]["bytes_per_gpu"].items():
+        assert v - big["grpo"]["bytes_per_gpu"][sh] == pytest.approx(
+            costs.state_bytes(critic, True, 2, 8, sh)["total"])
+    assert (big["ppo"]["flops_per_token"] - big["grpo"]["flops_per_token"]) * 512 == pytest.approx(
+        estimate_flops(critic, 1, 512) + 4 * estimate_flops(critic, 1, 512, backward=True))
     for job in costs.JOBS:
         for name, head, trains in costs.JOBS[job]:
             measured, w = models[name]
