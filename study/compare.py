@@ -2,9 +2,9 @@
 
     python -m study.compare                 # the full study's choices, 3 seeds, costs: 11 min
     torchrun --nproc_per_node=8 -m study.compare   # the same, every run on 8 ranks (plain DDP)
-    python -m study.compare --betas 0.1,0.3,1,2 --dpo_lrs 3e-4,1e-3 --nll_betas 1,2 \
-        --kl_coefs 0.01,0.03,0.1,0.3 --true_kl_coefs 0.1 --online_betas 0.1 \
-        --seeds 1337,2337,3337,4337 --no-costs     # the full study: RESULTS.md's frontier
+    python -m study.compare --betas 0.1,0.3,1,2 --nll_betas 1,2 --kl_coefs 0.01,0.03,0.1,0.3 \
+        --true_kl_coefs 0.1 --online_betas 0.1 --grpo_kl_coefs 0.04,0.1,0.3 \
+        --seeds 1337,2337,3337,4337 --no-costs --keep study/runs   # RESULTS.md's frontier
     python -m study.compare --no-costs      # the frontier only (--no-frontier: the costs only)
     python -m study.compare --help          # every flag
 
@@ -17,7 +17,7 @@
    its budget on validation (the budget rule). A run whose run.json records the same config and
    inputs is skipped (same_run), so an interrupted sweep resumes.
 2. Matched KL and J_β (study/tables.py, with study/envelope.py): each method's envelope, its
-   configurations chosen on validation and read on test, compared at --match_kls with a bootstrap
+   configurations chosen on validation and read on test, compared at --match_kls with a Welch t
    interval over seeds; and E[r] − β·KL at each β the methods share.
 3. Learning curves: the first seed's DPO run at --curve_beta and PPO run at --curve_kl_coef are
    trained in --curve_points chunks (the stages resume exactly, so this is the uninterrupted run,
