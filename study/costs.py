@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import data
 import dpo
+import grpo
 import iterative_dpo
 import online_dpo
 import ppo
@@ -78,6 +79,8 @@ def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0, share=0.0):
           them (KV cache), r_φ scores, policy (old log-probs), π_ref and critic run forward,
           `epochs` passes of forward + backward update (here over the whole (B, T) batch; ppo.py
           cuts each micro-batch to its own lengths, so it runs somewhat less)
+      grpo: ppo's without the critic: B completions (groups of group_size of B / group_size
+          prompts) sampled and scored, π_ref and π_old forward, `epochs` passes of the policy alone
       online_dpo: B prompts, two completions each (online_dpo.py's round, one micro-batch): the
           rollout engine samples (2B, L) rows, P columns of them prompt (KV cache), r_φ scores
           them, then dpo_live's work on the B labelled pairs, (2B, T) rows with K targets.
@@ -98,6 +101,10 @@ def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0, share=0.0):
                 "ref_critic": 2 * f(c, B, T, outputs=K) + f(s, B, T),
                 "update": epochs * (f(c, B, T, backward=True, outputs=K)
                                     + f(s, B, T, backward=True))}
+    if job == "grpo":
+        return {"rollout": generate_flops(c, B, P, T - P), "reward": f(s, B, T),
+                "ref_old": 2 * f(c, B, T, outputs=K),
+                "update": epochs * f(c, B, T, backward=True, outputs=K)}
     return {"policy": f(c, 2 * B, T, backward=True, outputs=K),
             "reference": f(c, 2 * B, T, outputs=K) if job == "dpo_live" else 0}
 
@@ -105,16 +112,18 @@ def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0, share=0.0):
 JOBS = {  # what each training job holds: (model, head, trains)
     "ppo": [("policy", "lm", True), ("critic", "scalar", True), ("reference", "lm", False),
             ("reward model", "scalar", False), ("rollout copy", "lm", False)],
+    "grpo": [("policy", "lm", True), ("reference", "lm", False),
+             ("reward model", "scalar", False), ("rollout copy", "lm", False)],
     "online_dpo": [("policy", "lm", True), ("reference", "lm", False),
                    ("reward model", "scalar", False), ("rollout copy", "lm", False)],
-    "dpo_live": [("policy", "lm", True), ("reference", "lm", False)],
-    "dpo_cache": [("policy", "lm", True)],
     # its training job is dpo.py's; the sampling (the policy, frozen) and the precompute (π_ref,
     # frozen) run between rounds as batch jobs, each alone on the machine
-    "iterative_dpo": [("policy", "lm", True)]}
-LABEL = {"ppo": "PPO", "online_dpo": "online DPO", "dpo_live": "DPO, live π_ref",
-         "dpo_cache": "DPO, cached log π_ref", "iterative_dpo": "iterative DPO",
-         "precompute": "precompute (once)"}
+    "iterative_dpo": [("policy", "lm", True)],
+    "dpo_live": [("policy", "lm", True), ("reference", "lm", False)],
+    "dpo_cache": [("policy", "lm", True)]}
+LABEL = {"ppo": "PPO", "grpo": "GRPO", "online_dpo": "online DPO",
+         "iterative_dpo": "iterative DPO", "dpo_live": "DPO, live π_ref",
+         "dpo_cache": "DPO, cached log π_ref", "precompute": "precompute (once)"}
 IT = iterative_dpo.Config  # iterative DPO's defaults: the round its cost row shares
 # the share of a round's sampling and precompute one of its steps carries: pairs / (steps · B)
 ITERATIVE_SHARE = IT.pairs / (IT.steps * IT.batch_size)
@@ -225,9 +234,10 @@ def measure_small(cfg, d, B=32):
     """One iteration's model work of each job at π_ref's size on real pairs and prompts, with the
     calls the loops make (model.generate, model.pair_logps, forward + backward, an AdamW step).
     DPO's batch is the first micro-batch of dpo.py's first step (by length), PPO's the first B
-    prompts, online DPO's two completions of each of them. Returns the GPTConfig, the FLOPs counted
-    by phase, the shapes iteration_flops needs, the units (padded positions, real tokens,
-    examples) and per model (the bytes its tensors hold, bytes per weight)."""
+    prompts, online DPO's two completions of each of them, GRPO's group_size completions of each
+    of the first B / group_size. Returns the GPTConfig, the FLOPs counted by phase, the shapes
+    iteration_flops needs, the units (padded positions, real tokens, examples) and per model (the
+    bytes its tensors hold, bytes per weight)."""
     tok = data.load_tokenizer(tokenizer_beside(cfg.sft, "--sft"))
     frozen = lambda m: m.eval().requires_grad_(False)  # noqa: E731
     policy, ref = load_model(cfg.sft, d.device)[0].eval(), frozen(load_model(cfg.sft, d.device)[0])
@@ -250,7 +260,9 @@ def measure_small(cfg, d, B=32):
                                                    tok.pad, generator=g))
         t, m = out["tokens"], out["mask"]  # (B, P + N)
         # the token each column predicts, where it is a sampled one (ppo.py's `full`)
-        tg = F.pad(t[:, 1:].masked_fill(~out["response_mask"][:, 1:], IGNORE), (0, 1), value=IGNORE)
+        targets = lambda o: F.pad(o["tokens"][:, 1:].masked_fill(  # noqa: E731
+            ~o["response_mask"][:, 1:], IGNORE), (0, 1), value=IGNORE)
+        tg = targets(out)
         _, f_rm = count_flops(lambda: rm(t, mask=m))
         _, f_rc = count_flops(lambda: (sequence_logprobs(policy, t, tg, m),
                                        sequence_logprobs(ref, t, tg, m), critic(t, mask=m)))
@@ -274,10 +286,25 @@ def measure_small(cfg, d, B=32):
         xo, yo = ob["input_ids"].to(d.device), ob["targets"].to(d.device)  # (2B, T)
         _, f_o_ref = count_flops(lambda: pair_logps(ref, xo, yo))
     _, f_o_pol = count_flops(lambda: pair_logps(policy, xo, yo).sum().backward())
+    # GRPO's iteration (grpo.py): group_size completions of each prompt, scored by r_φ, π_ref and
+    # π_old forward, then ppo_epochs passes through the policy alone: PPO's without the critic
+    G = grpo.Config.group_size
+    gp = [p for p in prompts[:B // G] for _ in range(G)]
+    with torch.no_grad():
+        Pg, gg = max(map(len, gp)), torch.Generator(device=d.device).manual_seed(2)
+        gr, f_g_roll = count_flops(lambda: generate(rollout, gp, c.block_size - Pg, tok.eos,
+                                                    tok.pad, generator=gg))
+        tq, mq, tgq = gr["tokens"], gr["mask"], targets(gr)  # (B, Pg + N)
+        _, f_g_rm = count_flops(lambda: rm(tq, mask=mq))
+        _, f_g_ro = count_flops(lambda: (sequence_logprobs(ref, tq, tgq, mq),
+                                         sequence_logprobs(policy, tq, tgq, mq)))
+    _, f_g_up = count_flops(lambda: [sequence_logprobs(policy, tq, tgq, mq).sum().backward()
+                                     for _ in range(grpo.Config.ppo_epochs)])
     opts = [torch.optim.AdamW(mod.parameters()) for mod in (policy, critic)]
     for o in opts:
         o.step()  # AdamW allocates m, v and the step counts on its first step
     flops = {"ppo": {"rollout": f_roll, "reward": f_rm, "ref_critic": f_rc, "update": f_up},
+             "grpo": {"rollout": f_g_roll, "reward": f_g_rm, "ref_old": f_g_ro, "update": f_g_up},
              "online_dpo": {"rollout": f_o_roll, "reward": f_o_rm, "reference": f_o_ref,
                             "policy": f_o_pol},
              "dpo_live": {"policy": f_policy, "reference": f_ref},
@@ -287,6 +314,8 @@ def measure_small(cfg, d, B=32):
                                "precompute": ITERATIVE_SHARE * f_o_ref, "policy": f_o_pol}}
     K_dpo, K_ppo = int((y != IGNORE).sum()), int(out["response_mask"].sum())
     shapes = {"ppo": dict(B=B, T=t.shape[1], K=K_ppo, P=P, epochs=ppo.Config.ppo_epochs),
+              "grpo": dict(B=len(gp), T=tq.shape[1], K=int(gr["response_mask"].sum()), P=Pg,
+                           epochs=grpo.Config.ppo_epochs),
               **{job: dict(B=B, T=xo.shape[1], K=int((yo != IGNORE).sum()), P=P,
                            L=on["tokens"].shape[1], **extra)
                  for job, extra in (("online_dpo", {}),
@@ -295,6 +324,7 @@ def measure_small(cfg, d, B=32):
     dpo_units = dict(positions=x.numel(), tokens=int((x != tok.pad).sum()), examples=B)
     on_units = dict(positions=xo.numel(), tokens=int((xo != tok.pad).sum()), examples=B)
     units = {"ppo": dict(positions=t.numel(), tokens=int(m.sum()), examples=B),
+             "grpo": dict(positions=tq.numel(), tokens=int(mq.sum()), examples=len(gp)),
              "online_dpo": on_units, "dpo_live": dpo_units, "dpo_cache": dpo_units,
              "iterative_dpo": on_units}
     models = {"policy": (policy, opts[0]), "critic": (critic, opts[1]), "reference": (ref, None),
@@ -332,10 +362,10 @@ def precompute_payback(cfg, d, cache_dir):
 
 def timed_runs(cfg, d, say):
     """Wall time of the real loops at their default sizes, interleaved: each round runs a few
-    iterations of PPO and rounds of online DPO, DPO steps with the live reference and with the
-    cache (stopped before they evaluate), and the whole precompute. Per round and job: the median
-    step (the first warms up, dropped), its phases and tokens/s from the stage's metrics.jsonl, and
-    on CUDA the peak memory allocated."""
+    iterations of PPO and GRPO and rounds of online DPO, DPO steps with the live reference and
+    with the cache (stopped before they evaluate), and the whole precompute. Per round and job:
+    the median step (the first warms up, dropped), its phases and tokens/s from the stage's
+    metrics.jsonl, and on CUDA the peak memory allocated."""
     root, n = os.path.join(cfg.out_dir, "timing"), cfg.time_steps
     t = lambda f: os.path.join(cfg.task, f)  # noqa: E731
     dc = dict(ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
@@ -344,6 +374,7 @@ def timed_runs(cfg, d, say):
     rl = dict(sft=cfg.sft, reward_model=cfg.reward_model, prompts=t("prompts_train.jsonl"),
               test_prompts=t("prompts_test.jsonl"), iterations=n + 1, stop_after=n, resume=False)
     jobs = {"ppo": lambda: ppo.main(ppo.Config(out_dir=f"{root}/ppo", **rl)),
+            "grpo": lambda: grpo.main(grpo.Config(out_dir=f"{root}/grpo", **rl)),
             "online_dpo": lambda: online_dpo.main(online_dpo.Config(
                 out_dir=f"{root}/online_dpo", **rl)),
             "dpo_live": lambda: dpo.main(dpo.Config(out_dir=f"{root}/dpo_live", ref="live", **dc)),
@@ -371,7 +402,8 @@ def timed_runs(cfg, d, say):
                     steps = [json.loads(line) for line in f][1:]
                 med = {k: statistics.median(s[k] for s in steps) for k in steps[0]
                        if k.startswith(("time/", "tokens_", "mfu"))}
-                # dpo.py's and ppo.py's (and online_dpo.py's) totals; other time/ keys are phases
+                # dpo.py's and ppo.py's (and grpo.py's, online_dpo.py's) totals; other time/ keys
+                # are phases
                 whole = ("time/step", "time/iteration")
                 row["phases"] = {k[5:].removesuffix("_ms"): v for k, v in med.items()
                                  if k.startswith("time/") and k not in whole}
@@ -438,7 +470,7 @@ def at_7b(a=BIG):
     res = {"assumptions": a, "params": n_params(big)[0], "jobs": {}}
     T, P = a["seq_len"], a["prompt_len"]
     for job, held in JOBS.items():
-        rows = 1 if job == "ppo" else 2  # one rollout, or one pair's [chosen; rejected]
+        rows = 1 if job in ("ppo", "grpo") else 2  # a rollout, or a pair's [chosen; rejected]
         fl = iteration_flops(big, job, 1, T, rows * (T - P), P, a["ppo_epochs"], L=T,
                              share=ITERATIVE_SHARE)
         gpu = {sh: sum(state_bytes(replace(big, head=h), tr, a["weight_bytes"], a["gpus"],
@@ -500,10 +532,11 @@ def costs_markdown(res, cfg):
         flop.append([f"**{LABEL[job]}**", "**total**", f"**{tot / 1e6:,.1f}**", "",
                      *(f"**{v}**" for v in per(tot))])
     per_ex = {"ppo": (ppo.Config.rollout_batch, "rollouts"),
+              "grpo": (grpo.Config.rollout_batch, "rollouts"),
               "online_dpo": (online_dpo.Config.rollout_batch, "pairs"),
+              "iterative_dpo": (IT.batch_size, "pairs"),
               "dpo_live": (dpo.Config.batch_size, "pairs"),
               "dpo_cache": (dpo.Config.batch_size, "pairs"),
-              "iterative_dpo": (IT.batch_size, "pairs"),
               "precompute": (res["n_pairs"], "pairs (train + val)")}
     for job, (n, unit) in per_ex.items():
         t = J[job]["time"]
@@ -519,7 +552,8 @@ def costs_markdown(res, cfg):
         f"{total(job, k) / total('dpo_cache', k):.1f}× per {name}" for k, name in UNITS)
     units = "; ".join(f"{LABEL[job]}: {u['examples']} examples, {u['positions']:,} positions, "
                       f"{u['tokens']:,} of them real tokens"
-                      for job in ("ppo", "online_dpo", "dpo_cache") for u in [J[job]["units"]])
+                      for job in ("ppo", "grpo", "online_dpo", "dpo_cache")
+                      for u in [J[job]["units"]])
     pb, E = res["payback_flops"], res["payback_flops"]["epoch_steps"]
     big = [[LABEL[job], len(JOBS[job]),
             *(size(r["bytes_per_gpu"][s]) for s in ("ddp", "zero1", "fsdp")),
@@ -547,16 +581,20 @@ def costs_markdown(res, cfg):
         table(["job", "phase", "analytic MFLOP", "counted MFLOP", "kFLOP per padded position",
                "kFLOP per real token", "MFLOP per example"], flop), "",
         "Three units, each stated: per padded position of the iteration's batch (DPO's and "
-        "online DPO's (2B, T) pair rows, PPO's (B, T) rollouts, padding included), per real "
-        "token (prompt and response, no padding), per example (a pair for DPO and online DPO, a "
-        "rollout for PPO). " + units + ". DPO's batch is the first micro-batch dpo.py runs "
-        "(sorted by length), padded (--no-pack; packed, it runs the positions per real token of "
-        "the next table); the LM head runs only where a target exists. PPO's rollout samples "
-        "with the KV cache; its update is ppo_epochs passes through policy and critic. Online "
-        "DPO's round samples two completions of each of PPO's prompts with the KV cache, r_φ "
-        "scores all 2B, and the labelled pairs go through π_ref and the policy as in live DPO. "
-        f"PPO against cached DPO: {ratios('ppo')}; online DPO against cached DPO: "
-        f"{ratios('online_dpo')}; iterative DPO against cached DPO: {ratios('iterative_dpo')}. "
+        "online DPO's (2B, T) pair rows, PPO's and GRPO's (B, T) rollouts, padding included), per "
+        "real token (prompt and response, no padding), per example (a pair for DPO and online "
+        "DPO, a rollout for PPO and GRPO). " + units + ". DPO's batch is the first micro-batch "
+        "dpo.py runs (sorted by length), padded (--no-pack; packed, it runs the positions per "
+        "real token of the next table); the LM head runs only where a target exists. PPO's "
+        "rollout samples with the KV cache; its update is ppo_epochs passes through policy and "
+        "critic. GRPO's iteration is PPO's without the critic: "
+        f"{grpo.Config.group_size} completions of each of B / {grpo.Config.group_size} prompts, "
+        "r_φ's scores, π_ref and π_old forward (ref_old), ppo_epochs passes through the policy "
+        "alone. Online DPO's round samples two completions of each of PPO's prompts with the KV "
+        "cache, r_φ scores all 2B, and the labelled pairs go through π_ref and the policy as in "
+        f"live DPO. PPO against cached DPO: {ratios('ppo')}; GRPO against cached DPO: "
+        f"{ratios('grpo')}; online DPO against cached DPO: {ratios('online_dpo')}; iterative "
+        f"DPO against cached DPO: {ratios('iterative_dpo')}. "
         "Iterative DPO's step is dpo.py's on pairs the policy sampled (so online DPO's pair "
         f"shapes), plus its share, {ITERATIVE_SHARE:g} = {IT.pairs} / ({IT.steps} × "
         f"{IT.batch_size}), of its round's sampling and precompute: online DPO's rollout and "
@@ -595,10 +633,10 @@ def costs_markdown(res, cfg):
         f"{a['n_head']} heads, vocabulary {a['vocab_size']}, no biases, tied embeddings "
         f"({res['at_7b']['params'] / 1e9:.2f}B parameters). Weights in bf16; a trained model "
         "adds bf16 grads, an fp32 master copy and Adam's m and v (16 bytes per parameter); the "
-        f"rollout copy (PPO's, online DPO's) is bf16. Sequences of {a['seq_len']} tokens, "
+        f"rollout copy (PPO's, GRPO's, online DPO's) is bf16. Sequences of {a['seq_len']} tokens, "
         f"{a['prompt_len']} prompt + {a['seq_len'] - a['prompt_len']} response, no padding (a "
         "position is a real token), the LM head on the response; online DPO samples both "
-        f"completions of a pair; {a['ppo_epochs']} PPO epochs, DPO batches of "
+        f"completions of a pair; {a['ppo_epochs']} PPO and GRPO epochs, DPO batches of "
         f"{a['batch_pairs']} pairs from {a['pairs']:,}. Model state only: activations, the KV "
         "cache and communication buffers come on top.", "",
         table(["job", "models", "DDP per GPU", "ZeRO-1 per GPU", "FSDP per GPU",
