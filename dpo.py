@@ -5,6 +5,7 @@
     torchrun --nproc_per_node=8 dpo.py --fsdp   # FSDP2: each rank holds 1/8 of the model state
     python dpo.py --ref live              # run π_ref every step instead of reading the cache
     python dpo.py --loss ipo --beta 0.1   # IPO; --label_smoothing 0.1 for conservative DPO (cDPO)
+    python dpo.py --loss simpo --beta 2   # SimPO: no π_ref in the job, so no cache either
     python dpo.py --help                  # every flag
 
 Direct Preference Optimization (Rafailov et al. 2023) fits the policy to the pairs with Eq. 7,
@@ -20,8 +21,12 @@ ppo.py: the two files share their sections and loop headers, and DPO deletes fro
      constraint is inside it (Sec. 4);
   4. the live reference model: log π_ref(y|x) of the fixed pairs never changes, so precompute.py
      computes it once and this job reads a file (`--ref live` keeps π_ref resident to show it).
-What DPO adds is that one-time precompute. Writes out/dpo/: model.safetensors (+ tokenizer.json),
-metrics.jsonl, eval.json, ckpt/.
+What DPO adds is that one-time precompute. SimPO (Meng et al. 2024, `--loss simpo`) deletes
+  5. the precompute file and the KL anchor: its implicit reward is the policy's own mean log-prob
+     per token, with no π_ref in it, so no cache is built or read and the job holds one model, the
+     policy (which still starts from π_ref, --ref_model). Nothing in the loss holds the policy
+     near π_ref; the final evaluation loads π_ref, as every method's does, to measure the KL.
+Writes out/dpo/: model.safetensors (+ tokenizer.json), metrics.jsonl, eval.json, ckpt/.
 """
 
 import os
@@ -60,9 +65,12 @@ class Config:
     ref_logps: str = "out/ref_logps"  # the log π_ref cache (yours: a subfolder); built if missing
     # "cache": read log π_ref from ref_logps; "live": run π_ref every step (what precompute removes)
     ref: str = "cache"
-    # IPO's h is of summed log-probs, as the DPO repo; TRL's "ipo" averages them per token first
-    loss: str = "sigmoid"  # "sigmoid": DPO, Eq. 7; "ipo": Azar et al. 2023, Eq. 17
-    beta: float = 0.5  # the KL(π‖π_ref) constraint; implicit reward β log π/π_ref; IPO's τ
+    # IPO's h is of summed log-probs, as the DPO repo; TRL's "ipo" averages them per token first.
+    # SimPO's β scales a mean log-prob per token, not a log-ratio: pass --beta 2 (the default is
+    # DPO's); its γ, a margin in those units (β/|y|·log π), defaults to TRL's and torchtune's 0.5
+    loss: str = "sigmoid"  # "sigmoid": DPO, Eq. 7; "ipo": Azar 2023, Eq. 17; "simpo": no π_ref
+    beta: float = 0.5  # DPO's KL(π‖π_ref) constraint; IPO's τ; SimPO's β (its paper: 2 to 2.5)
+    simpo_gamma: float = 0.5  # SimPO's target reward margin γ (its paper: 0.3 to 1.6); simpo only
     label_smoothing: float = 0.0  # ε: chance a label is flipped: cDPO (Mitchell 2023), not rDPO
     rpo_alpha: float = 0.0  # α of an NLL term on the chosen response (RPO); 0: plain DPO, taught
     max_len: int = 64  # tokens of prompt + response; the cache's fingerprint checks it
@@ -133,22 +141,50 @@ def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta, loss="sigmo
     r_rejected = beta * (pi_rejected - ref_rejected).detach()
     return losses, r_chosen, r_rejected
 
+
+def simpo_loss(pi_chosen, pi_rejected, chosen_len, rejected_len, beta, gamma):
+    """SimPO's per-pair losses, Eq. 6 of Meng et al. 2024, with no π_ref. pi_* (B,) summed response
+    log-probs log π(y|x) of chosen y_w and rejected y_l, *_len (B,) their tokens |y| (EOS
+    included). Returns losses (B,) and SimPO's rewards r(x,y) = β/|y| · log π(y|x) (Eq. 4) of
+    chosen and rejected, (B,) detached, as TRL's CPOTrainer logs them under loss_type="simpo".
+        L = −log σ(β/|y_w| · log π(y_w|x) − β/|y_l| · log π(y_l|x) − γ)
+    The reward is the mean log-prob per token, the quantity sampling ranks by, so a longer
+    response is not rewarded for its length; γ is a target margin the reward difference must
+    pass (Bradley–Terry with a margin, Eq. 5). Its gradient is
+        −σ(γ − r(x,y_w) + r(x,y_l)) · β [∇log π(y_w)/|y_w| − ∇log π(y_l)/|y_l|]:
+    DPO's form, with no log π_ref in the weight, so nothing ties π to π_ref (the KL anchor)."""
+    r_chosen, r_rejected = beta * pi_chosen / chosen_len, beta * pi_rejected / rejected_len
+    losses = -F.logsigmoid(r_chosen - r_rejected - gamma)
+    return losses, r_chosen.detach(), r_rejected.detach()
+
 # ==== helpers the loop calls
 
 
-def chosen_len(targets, seq=None):
-    """Tokens of each chosen response (EOS included) in a [chosen; rejected] batch, padded (a
-    sequence per row) or packed (seq: each position's sequence id, as pair_logps reads it): (B,)."""
+def response_len(targets, seq=None):
+    """Tokens of each response (EOS included) in a [chosen; rejected] batch, padded (a sequence per
+    row) or packed (seq: each position's sequence id, as pair_logps reads it): (2, B), chosen's
+    row first."""
     keep = targets != IGNORE
-    if seq is None:
-        return keep.sum(1).chunk(2)[0]
-    return torch.bincount(seq[keep], minlength=int(seq.max()) + 1).chunk(2)[0]
+    n = keep.sum(1) if seq is None else torch.bincount(seq[keep], minlength=int(seq.max()) + 1)
+    return n.view(2, -1)
+
+
+def pair_loss(pi_c, pi_r, ref_lp, y, s, cfg):
+    """The configured loss of a micro-batch (losses and the implicit rewards of chosen and
+    rejected, (B,) each): dpo_loss from ref_lp, log π_ref (2, B); or simpo_loss, whose ref_lp is
+    None."""
+    n_c, n_r = response_len(y, s)
+    if cfg.loss == "simpo":
+        return simpo_loss(pi_c, pi_r, n_c, n_r, cfg.beta, cfg.simpo_gamma)
+    return dpo_loss(pi_c, pi_r, *ref_lp, cfg.beta, cfg.loss, cfg.label_smoothing, cfg.rpo_alpha,
+                    n_c)
 
 
 @torch.no_grad()
 def evaluate_pairs(policy, ref, ref_logps, examples, cfg, d, pad):
     """Held-out DPO loss and reward accuracy over every val pair, ranks taking every world-th
-    micro-batch. log π_ref comes from the cache (ref_logps, (2, N)), or from ref (--ref live).
+    micro-batch. log π_ref comes from the cache (ref_logps, (2, N)), or from ref (--ref live);
+    --loss simpo reads none (both None).
     Packed; or (--no-pack) in order of length, so each micro-batch is padded only to its own
     longest row (packing fills rows best from a mix of lengths, as precompute_ref_logps)."""
     loss = correct = n = 0.0
@@ -162,10 +198,9 @@ def evaluate_pairs(policy, ref, ref_logps, examples, cfg, d, pad):
             x, y, s = data.batch_to(b, d.device)
             with autocast(d.device):
                 pi_c, pi_r = pair_logps(policy, x, y, s).chunk(2)
-                ref_c, ref_r = (ref_logps[:, b["index"]].to(d.device) if ref is None
-                                else pair_logps(ref, x, y, s).chunk(2))
-            losses, r_c, r_r = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta, cfg.loss,
-                                        cfg.label_smoothing, cfg.rpo_alpha, chosen_len(y, s))
+                ref_lp = (pair_logps(ref, x, y, s).view(2, -1) if ref is not None
+                          else None if ref_logps is None else ref_logps[:, b["index"]].to(d.device))
+            losses, r_c, r_r = pair_loss(pi_c, pi_r, ref_lp, y, s, cfg)
             loss, correct, n = loss + losses.sum(), correct + (r_c > r_r).sum(), n + len(losses)
     s = reduce_sums(d, loss=loss, correct=correct, n=n)
     return s["loss"] / s["n"], s["correct"] / s["n"]
@@ -181,22 +216,30 @@ SHOWN = ("loss", "rewards/accuracies", "rewards/margins", "grad_norm", "lr", "va
 
 def setup(cfg, d, log):
     """The pairs, tokenized, π_ref's tokenizer, what the weights are trained from, and (the
-    default) precompute.py's cache of log π_ref, built when missing."""
+    default) precompute.py's cache of log π_ref, built when missing; none under --loss simpo."""
     check(cfg.ref in ("cache", "live"), f"--ref must be cache or live, got {cfg.ref!r}")
-    check(cfg.loss in ("sigmoid", "ipo"), f"--loss must be sigmoid or ipo, got {cfg.loss!r}")
+    check(cfg.loss in ("sigmoid", "ipo", "simpo"),
+          f"--loss must be sigmoid, ipo or simpo, got {cfg.loss!r}")
+    simpo = cfg.loss == "simpo"
+    check(not simpo or cfg.ref == "cache", "--loss simpo has no π_ref: --ref live would run one "
+          "for nothing")
+    check(not simpo or cfg.rpo_alpha == 0, "--rpo_alpha applies to DPO's losses, not to simpo")
+    check(simpo or cfg.simpo_gamma == Config.simpo_gamma, "--simpo_gamma applies to --loss simpo")
     check(cfg.loss == "sigmoid" or cfg.label_smoothing == 0,
           "--label_smoothing applies to the sigmoid loss only")
     check(0 <= cfg.label_smoothing < 0.5 and cfg.beta > 0,
           "need beta > 0 and 0 <= label_smoothing < 0.5")
     # the cache for these inputs: yours get a folder of their own, and your pairs need your π_ref
+    # (SimPO's too, whose policy starts from it, though its loss has no log π_ref to cache)
     pc = precompute.plan(precompute.Config(
         out_dir=cfg.ref_logps, ref_model=cfg.ref_model, train_pairs=cfg.train_pairs,
         val_pairs=cfg.val_pairs, max_len=cfg.max_len, max_prompt_len=cfg.max_prompt_len,
         pack=cfg.pack),
         [("--test_prompts", cfg.test_prompts, Config.test_prompts)])
+    use_cache = cfg.ref == "cache" and not simpo
     # outputs first: a bad folder stops the run now, not after hours (the cache's if it is built)
     caches = [os.path.join(pc.out_dir, f"{split}.safetensors") for split in ("train", "val")]
-    build_cache = cfg.ref == "cache" and not all(map(os.path.exists, caches))
+    build_cache = use_cache and not all(map(os.path.exists, caches))
     prepare_outputs({cfg.out_dir: "--out_dir", os.path.join(cfg.out_dir, "ckpt"): "--out_dir",
                      **({pc.out_dir: "--ref_logps"} if build_cache else {})}, d, log)
     require_stage(cfg.ref_model, Config.ref_model, lambda: sft.main(sft.Config()),
@@ -227,7 +270,7 @@ def setup(cfg, d, log):
     inputs = input_fingerprint({"--ref_model": cfg.ref_model, "tokenizer": tok_path,
                                 "--train_pairs": cfg.train_pairs, "--init": cfg.init}, train)
     ref_logps = (None, None)
-    if cfg.ref == "cache":  # the reference's only trace in this job: two fp32 numbers per pair
+    if use_cache:  # the reference's only trace in this job: two fp32 numbers per pair
         # with --ref_logps at its default, the cache (the built-in task's, or your pairs' own) is
         # built when missing; an explicit folder must hold it
         auto = precompute.same(cfg.ref_logps, Config.ref_logps)
@@ -248,7 +291,8 @@ def load_models(cfg, d):
     good: no dropout (as TRL's disable_dropout), so log π is deterministic, equals log π_ref
     exactly at step 0, and the cached and the live reference see the same function. With --ref
     live, what precompute removes: a second, frozen copy run forward every step (sharded too with
-    --fsdp). The policy trains under DDP (--fsdp: sharded in place), then torch.compile."""
+    --fsdp). --loss simpo: the policy alone. The policy trains under DDP (--fsdp: sharded in
+    place), then torch.compile."""
     policy = load_model(cfg.init or cfg.ref_model, d.device)[0].eval()
     check(cfg.max_len <= policy.config.block_size,
           f"--max_len {cfg.max_len} > block_size {policy.config.block_size}")
@@ -275,20 +319,23 @@ def main(cfg):
         mib = (ref_train.numel() + ref_val.numel()) * 4 / 2**20
         log.print(f"reference: no model, a cache of {mib:.3f} MiB (2 fp32 per pair) read from "
                   f"{cache}")
+    elif ref is None:
+        log.print("reference: none (--loss simpo): no model, no cache built or read")
 
     # ==== optimizer, schedule, resume
     opt = adamw(policy, cfg.lr, cfg.weight_decay)
-    # cached and live are the same run, so either may resume the other
+    # cached and live are the same run, so either may resume the other; γ is SimPO's alone
     start, state = resume(ckpt_dir, cfg, {"model": policy, "optim": opt}, d.device, log.print,
                           inputs, free=("resume", "stop_after", "ref", "compile", "fsdp", "pack",
-                                        "reward_model"))
+                                        "reward_model") + ("simpo_gamma",) * (cfg.loss != "simpo"))
     first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)
     micro_batch = cfg.batch_size // d.world // accum  # pairs per forward on this rank
     rows = 2 * micro_batch * cfg.max_len  # positions of one forward: [chosen; rejected]
     peak = measure_peak_flops(d.device, matmul_shapes(policy.config, rows))
-    log.print(f"{cfg.loss} loss, beta {cfg.beta} | reference: {cfg.ref} | batch "
+    log.print(f"{cfg.loss} loss, beta {cfg.beta} | reference: "
+              f"{'none' if cfg.loss == 'simpo' else cfg.ref} | batch "
               f"{cfg.batch_size} pairs = {d.world} ranks x {accum} accumulation x {micro_batch} | "
               f"device {d.device} | peak {peak / 1e9:.1f} GFLOP/s per rank (measured)"
               + (" | sharded (FSDP2)" if sharded(policy) else ""))
@@ -310,12 +357,12 @@ def main(cfg):
                    for rows in cut]
         meter.lap("batch")
 
-        # -- reference log-probs: a lookup in precompute.py's cache, no model and no FLOPs
-        # (--ref live: π_ref's forward, every step, which is what the cache removes)
+        # -- reference log-probs: a lookup in precompute.py's cache, no model and no FLOPs (--ref
+        # live: π_ref's forward every step, what the cache removes; --loss simpo: none at all)
         ref_lp = []
         for b in batches:
-            if ref is None:
-                ref_lp.append(ref_train[:, b["index"]].to(d.device))  # (2, micro_batch)
+            if ref is None:  # (2, micro_batch)
+                ref_lp.append(None if ref_train is None else ref_train[:, b["index"]].to(d.device))
                 continue
             x, y, s = data.batch_to(b, d.device)
             with torch.no_grad(), autocast(d.device):  # frozen: no activations kept
@@ -330,11 +377,10 @@ def main(cfg):
                 with autocast(d.device):
                     pi_c, pi_r = pair_logps(model, x, y, s).chunk(2)  # (micro_batch,) each
                 meter.lap("policy_forward")
-                # -- loss: Eq. 7, the β·KL constraint inside it. Summed over the micro-batch and
-                # divided by the global batch, x world as DDP averages over ranks: the gradient
-                # is the global batch's mean for any world size and accumulation.
-                losses, r_c, r_r = dpo_loss(pi_c, pi_r, *ref_lp[m], cfg.beta, cfg.loss,
-                                            cfg.label_smoothing, cfg.rpo_alpha, chosen_len(y, s))
+                # -- loss: Eq. 7, the β·KL constraint inside it (SimPO: Eq. 6, none). Summed over
+                # the micro-batch and divided by the global batch, x world as DDP averages over
+                # ranks: the gradient is the global batch's mean for any world and accumulation.
+                losses, r_c, r_r = pair_loss(pi_c, pi_r, ref_lp[m], y, s, cfg)
                 (losses.sum() * d.world / cfg.batch_size).backward()
                 meter.lap("loss")  # the backward included
             meter.count(*batch_flops(policy.config, x, y, tok.pad, backward=True, seq=s))
@@ -380,16 +426,18 @@ def main(cfg):
 
 def finish(policy, ref, ref_val, val, tok, tok_path, cfg, d, log):
     """The held-out pairs' loss and accuracy, then samples on the held-out prompts. Sampling needs
-    π_ref itself (its completions, and log π_ref of the policy's for the KL): this loads it; the
-    training loop never did in the default mode (and --ref live's frozen copy may hold bf16
-    weights, which run only under autocast; sampling runs without)."""
+    π_ref itself (its completions, and log π_ref of the policy's for the KL): this loads it, for
+    evaluation only, as every method's evaluation does; the training loop never did in the default
+    mode nor under --loss simpo (and --ref live's frozen copy may hold bf16 weights, which run only
+    under autocast; sampling runs without)."""
     val_loss, val_acc = evaluate_pairs(policy, ref, ref_val, val, cfg, d, tok.pad)
     ev = evaluate_held_out(policy, load_model(cfg.ref_model, d.device)[0], tok, cfg, d)
+    gamma = {"simpo_gamma": cfg.simpo_gamma} if cfg.loss == "simpo" else {}
     save_outputs(policy, cfg.out_dir, {"stage": "dpo", "step": cfg.steps,
                                        "ref_model": cfg.ref_model, "loss": cfg.loss,
-                                       "beta": cfg.beta},
+                                       "beta": cfg.beta, **gamma},
                  {"val_accuracy": val_acc, "val_loss": val_loss, **ev, "steps": cfg.steps,
-                  "loss": cfg.loss, "beta": cfg.beta}, d, tok_path)
+                  "loss": cfg.loss, "beta": cfg.beta, **gamma}, d, tok_path)
     print_samples(ev, log.print)
     log.print(f"held-out pairs: accuracy {val_acc:.3f}, loss {val_loss:.4f} | {summary(ev)} | "
               f"saved {cfg.out_dir}/model.safetensors")

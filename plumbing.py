@@ -216,6 +216,8 @@ def require_stage(path, default, build, command, d, log):
 #   temperature ≥ 0.1: the gradient of log softmax(z/T) at a sampled token whose logit leads by Δz
 #     carries exp(−Δz/T)/T, which underflows as T → 0 (--temperature 1e-12 saved π_ref unchanged).
 #   label_smoothing < 0.5: at 0.5 a label says nothing, above it the labels are flipped.
+#   simpo_gamma ≥ 0: SimPO's target margin (its paper: 0.3 to 1.6); a negative one would count a
+#     pair the policy ranks the wrong way, by less than |γ|, as learned.
 #   max_len ≥ 3: BOS, one prompt token and one response token.
 AT_LEAST_1 = "[1, inf)"
 FLAG_RANGES = {
@@ -231,7 +233,8 @@ FLAG_RANGES = {
     **dict.fromkeys(("lr", "dpo_lr", "ppo_lr", "online_lr", "nll_alpha", "grad_clip", "kl_target",
                      "cliprange", "cliprange_value", "vf_coef"), "(0, inf)"),
     **dict.fromkeys(("beta", "curve_beta"), "[0.001, inf)"),
-    **dict.fromkeys(("weight_decay", "kl_coef", "curve_kl_coef", "rpo_alpha"), "[0, inf)"),
+    **dict.fromkeys(("weight_decay", "kl_coef", "curve_kl_coef", "rpo_alpha", "simpo_gamma"),
+                    "[0, inf)"),
     **dict.fromkeys(("min_lr_frac", "gamma", "lam"), "[0, 1]"),
     "dropout": "[0, 1)", "check_at": "(0, 1)", "label_smoothing": "[0, 0.5)",
     "temperature": "[0.1, inf)",

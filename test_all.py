@@ -1942,6 +1942,37 @@ def test_gradient_matches_the_papers_analytic_form():
         ref_c, ref_r = ref_c.detach(), ref_r.detach()
 
 
+def test_simpo_loss_matches_hand_computed_values():
+    # log π(y_w) −10 over 5 tokens, log π(y_l) −12 over 4: means −2 and −3. β 2, γ 0.5:
+    # β·(−2) − β·(−3) − γ = 1.5; the rewards are β times the means, −4 and −6
+    pi_c, pi_r = torch.tensor([-10.0]), torch.tensor([-12.0])
+    n_c, n_r = torch.tensor([5]), torch.tensor([4])
+    loss, r_c, r_r = dpo.simpo_loss(pi_c, pi_r, n_c, n_r, beta=2.0, gamma=0.5)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-1.5)), abs=1e-7)  # −log σ(1.5)
+    assert (r_c.item(), r_r.item()) == (-4.0, -6.0)
+    # γ = 2 meets the margin exactly: −log σ(0) = ln 2 (summed log-probs would give −log σ(2),
+    # the lengths swapped −log σ(−2.2))
+    loss, _, _ = dpo.simpo_loss(pi_c, pi_r, n_c, n_r, beta=2.0, gamma=2.0)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
+
+
+def test_simpo_gradient_matches_the_analytic_form():
+    # z = β(log π(y_w)/|y_w| − log π(y_l)/|y_l|) − γ, L = −log σ(z):
+    # ∂L/∂log π(y_w) = −β σ(−z)/|y_w|, ∂L/∂log π(y_l) = +β σ(−z)/|y_l|
+    torch.manual_seed(0)
+    B, beta, gamma = 6, 2.5, 0.8
+    pi_c, pi_r = ((-20 * torch.rand(B, dtype=torch.float64)).requires_grad_() for _ in range(2))
+    n_c, n_r = (torch.randint(1, 30, (B,), generator=torch.Generator().manual_seed(k))
+                for k in (1, 2))
+    losses, _, _ = dpo.simpo_loss(pi_c, pi_r, n_c, n_r, beta, gamma)
+    g_c, g_r = torch.autograd.grad(losses.sum(), (pi_c, pi_r))
+    z = (beta * (pi_c / n_c - pi_r / n_r) - gamma).detach()
+    torch.testing.assert_close(g_c, -beta * torch.sigmoid(-z) / n_c, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(g_r, beta * torch.sigmoid(-z) / n_r, rtol=1e-12, atol=1e-15)
+    assert torch.autograd.gradcheck(lambda a, b: dpo.simpo_loss(a, b, n_c, n_r, beta, gamma)[0],
+                                    (pi_c, pi_r))
+
+
 # -----------------------------------------------------------------------------
 # log-probs: one concatenated forward; only response tokens count
 
@@ -2090,7 +2121,7 @@ def test_held_out_loss_is_the_configured_loss(tiny):
                dict(rpo_alpha=0.5)):
         cfg = replace(dpo.Config(), beta=0.3, micro_batch_size=5, **kw)  # 3 micro-batches
         want = dpo.dpo_loss(*logps[0], *logps[1], cfg.beta, cfg.loss, cfg.label_smoothing,
-                            cfg.rpo_alpha, dpo.chosen_len(b["targets"]))[0]
+                            cfg.rpo_alpha, dpo.response_len(b["targets"])[0])[0]
         loss, _ = dpo.evaluate_pairs(policy, ref, None, val, cfg, init_distributed(), tok.pad)
         assert loss == pytest.approx(want.mean().item(), rel=1e-5), kw
         seen[str(kw)] = loss
@@ -2129,6 +2160,85 @@ def test_rpo_step_zero_adds_alpha_times_the_chosen_nll_per_token(tiny, dpo_cache
                               b["targets"]).chunk(2)
     nll = (-ref_c / torch.tensor([len(e["chosen"]) for e in examples])).mean().item()
     assert dpo_metrics(cfg.out_dir)[0]["loss"] == pytest.approx(math.log(2) + 0.7 * nll, rel=1e-6)
+
+
+def test_simpo_step_zero_loss_is_the_closed_form(tiny, dpo_cache):  # noqa: F811
+    # one batch of all 16 pairs, the policy at π_ref: the loss is the mean of
+    # −log σ(β(log π_ref(y_w)/|y_w| − log π_ref(y_l)/|y_l|) − γ), with no log π_ref subtracted
+    # (DPO's would be ln 2), and the rewards are β times the mean log-probs per token
+    rows = open(tiny.root / "dpo-data/pairs_train.jsonl").readlines()[:16]
+    (tiny.root / "simpo-step0").mkdir()
+    (tiny.root / "simpo-step0/pairs.jsonl").write_text("".join(rows))
+    beta, gamma = 2.0, 0.3
+    cfg = dpo_cfg(tiny, "simpo-step0/run", loss="simpo", beta=beta, simpo_gamma=gamma, steps=2,
+                  stop_after=1, train_pairs=str(tiny.root / "simpo-step0/pairs.jsonl"),
+                  ref_logps=str(tiny.root / "simpo-step0/no-cache"))  # explicit, missing: unread
+    dpo.main(cfg)
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    examples, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
+                                      cfg.max_prompt_len)
+    b = data.collate_pairs(examples, tok.pad)
+    with torch.no_grad():
+        lp_c, lp_r = pair_logps(load_model(cfg.ref_model)[0].eval(), b["input_ids"],
+                                b["targets"]).double().chunk(2)
+    mean_c = lp_c / torch.tensor([len(e["chosen"]) for e in examples])
+    mean_r = lp_r / torch.tensor([len(e["rejected"]) for e in examples])
+    assert (mean_c != lp_c / torch.tensor([len(e["rejected"]) for e in examples])).any()
+    z = beta * (mean_c - mean_r) - gamma
+    m = dpo_metrics(cfg.out_dir)[0]
+    assert m["loss"] == pytest.approx(torch.log1p(torch.exp(-z)).mean().item(), rel=1e-5)
+    assert m["rewards/chosen"] == pytest.approx(beta * mean_c.mean().item(), rel=1e-5)
+    assert m["rewards/margins"] == pytest.approx(beta * (mean_c - mean_r).mean().item(), abs=1e-5)
+    assert m["rewards/accuracies"] == (mean_c > mean_r).double().mean().item()
+    assert m["logps/chosen"] == pytest.approx(lp_c.mean().item(), rel=1e-5)  # summed, as DPO's
+    assert not os.path.exists(cfg.ref_logps)
+
+
+def test_simpo_run_builds_no_cache_and_holds_one_model(tiny, dpo_cache, tmp_path,  # noqa: F811
+                                                       monkeypatch, capsys):
+    # --ref_logps at its default (relative to the working folder), where DPO would build the cache
+    # of these pairs: SimPO builds none and reads none, trains the policy alone, and loads π_ref
+    # after training, for the evaluation's KL only
+    monkeypatch.chdir(tmp_path)
+    events = []
+    spy = lambda name, f: lambda *a, **kw: (events.append(name), f(*a, **kw))[1]  # noqa: E731
+    monkeypatch.setattr(dpo, "load_model", spy("load_model", dpo.load_model))
+    monkeypatch.setattr(dpo, "evaluate_held_out", spy("evaluation", dpo.evaluate_held_out))
+    monkeypatch.setattr(dpo, "anatomy", lambda models, T: (events.append(sorted(models)),
+                                                           anatomy(models, T))[1])
+    monkeypatch.setattr(dpo, "load_ref_logps", spy("cache read", dpo.load_ref_logps))
+    cfg = dpo_cfg(tiny, "simpo-run", loss="simpo", beta=2.0, ref_logps=dpo.Config.ref_logps)
+    dpo.main(cfg)
+    assert not os.path.exists(tmp_path / "out")  # no cache built, nor any folder for one
+    assert events == ["load_model", ["policy"], "load_model", "evaluation"]
+    out = capsys.readouterr().out
+    assert "reference: none (--loss simpo): no model, no cache built or read" in out
+    assert "simpo loss, beta 2.0 | reference: none |" in out
+    ev = json.load(open(os.path.join(cfg.out_dir, "eval.json")))
+    assert (ev["loss"], ev["beta"], ev["simpo_gamma"]) == ("simpo", 2.0, 0.5)
+    assert ev["kl"] > 0 and all(math.isfinite(m["loss"]) for m in dpo_metrics(cfg.out_dir))
+    # the held-out loss and accuracy are SimPO's too, of the saved policy, by hand
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    val, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.val_pairs), cfg.max_len,
+                                 cfg.max_prompt_len)
+    b = data.collate_pairs(val, tok.pad)
+    with torch.no_grad():
+        lp_c, lp_r = pair_logps(load_model(f"{cfg.out_dir}/model.safetensors")[0].eval(),
+                                b["input_ids"], b["targets"]).double().chunk(2)
+    diff = (lp_c / torch.tensor([len(e["chosen"]) for e in val])
+            - lp_r / torch.tensor([len(e["rejected"]) for e in val]))
+    want = torch.log1p(torch.exp(-(2.0 * diff - 0.5))).mean().item()
+    assert ev["val_loss"] == pytest.approx(want, rel=1e-4)
+    assert ev["val_accuracy"] == pytest.approx((diff > 0).double().mean().item(), abs=1e-9)
+    # a SimPO run's γ is part of its config: another γ does not resume it
+    with pytest.raises(SystemExit, match=r"another config \(simpo_gamma 0.5 -> 1.0\)"):
+        dpo.main(replace(cfg, simpo_gamma=1.0))
+    # the reference-free loss takes no π_ref, and its γ means nothing to DPO's losses
+    for bad, msg in (({"ref": "live"}, "--loss simpo has no π_ref"),
+                     ({"rpo_alpha": 0.5}, "--rpo_alpha applies to DPO's losses"),
+                     ({"loss": "sigmoid", "simpo_gamma": 1.0}, "--simpo_gamma applies to")):
+        with pytest.raises(SystemExit, match=msg):
+            dpo.main(replace(cfg, out_dir=str(tmp_path / "bad"), **bad))
 
 
 def test_cached_equals_live(tiny, dpo_cache):  # noqa: F811
