@@ -75,6 +75,8 @@ class Config:
     dpo_lrs: str = "1e-3"  # DPO's (and DPO+NLL's) peak learning rates
     nll_betas: str = "1"  # DPO+NLL runs (dpo.py --rpo_alpha --nll_alpha): one per β × --dpo_lrs
     nll_alpha: float = 1.0  # their α: the NLL of the chosen response, length-normalised (RPO)
+    simpo_betas: str = ""  # SimPO runs (dpo.py --loss simpo): one per β × --dpo_lrs ("" = none)
+    simpo_gamma: float = dpo.Config.simpo_gamma  # their target margin γ
     kl_coefs: str = "0.1,0.3"  # PPO runs with r_φ: one per KL coefficient × --ppo_lrs
     ppo_lrs: str = "1e-4"  # PPO's peak learning rates
     true_kl_coefs: str = ""  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
@@ -200,6 +202,12 @@ def sweep(cfg, R):
         steps=cfg.dpo_steps, lr=lr, seed=s, reward_model=R["reward_model"], **held_out))
         for b, a in dpos for lr in floats(cfg.dpo_lrs) for s in seeds
         for n in [f"dpo-{f'nll{a:g}-' if a else ''}beta{b:g}-lr{lr:g}-seed{s}"]]
+    runs += [(f"{p}{n}", dpo, dpo.Config(  # reference-free: no cache read, π_ref for the KL only
+        out_dir=o(n), ref_model=R["sft"], train_pairs=t("pairs_train.jsonl"),
+        val_pairs=t("pairs_val.jsonl"), loss="simpo", beta=b, simpo_gamma=cfg.simpo_gamma,
+        steps=cfg.dpo_steps, lr=lr, seed=s, reward_model=R["reward_model"], **held_out))
+        for b in floats(cfg.simpo_betas) for lr in floats(cfg.dpo_lrs) for s in seeds
+        for n in [f"simpo-beta{b:g}-gamma{cfg.simpo_gamma:g}-lr{lr:g}-seed{s}"]]
     for rw in [w.strip() for w in cfg.online_rewards.split(",") if w.strip()]:
         check(rw in ("model", "oracle", "true"), f"--online_rewards {cfg.online_rewards!r}: "
               "each is model, oracle or true")
@@ -245,7 +253,8 @@ ONLINE = {"model": "online DPO", "oracle": "online DPO (oracle)", "true": "onlin
 
 
 def method_of(stage, c):
-    return "π_ref" if stage is None else ("DPO+NLL" if c.rpo_alpha else "DPO") if stage is dpo \
+    return "π_ref" if stage is None else ("SimPO" if c.loss == "simpo" else "DPO+NLL"
+                                           if c.rpo_alpha else "DPO") if stage is dpo \
         else ("iterative DPO+NLL" if c.rpo_alpha else "iterative DPO") if stage is iterative_dpo \
         else ONLINE[c.reward] \
         if stage is online_dpo else "GRPO" if stage is grpo \
@@ -517,6 +526,7 @@ def frontier(cfg, Rs, d, say):
                             if "val" in p), {})
         rows.append(dict(run=name, regime=R["regime"], method=method_of(stage, c),
                          beta=c.beta if stage in (dpo, online_dpo, iterative_dpo) else "",
+                         simpo_gamma=c.simpo_gamma if stage is dpo and c.loss == "simpo" else "",
                          kl_coef=c.kl_coef if stage in (ppo, grpo) else "",
                          lr=c.lr if stage else "", seed=c.seed if stage else "", **ev_fields(ev),
                          **{f"val_{k}": ev["val"].get(k)

@@ -55,7 +55,10 @@ def write_csv(path, rows):
 
 
 KL_COEF_METHODS = ("PPO", "PPO-GT", "GRPO")  # configured by a KL coefficient, not DPO's β
-METHODS = ("DPO", "DPO+NLL", "online DPO", "GRPO", "PPO", "PPO-GT")  # the tables' order
+METHODS = ("SimPO", "DPO", "DPO+NLL", "online DPO", "GRPO", "PPO", "PPO-GT")  # tables' order
+
+
+J_METHODS = METHODS[1:]  # the methods with a KL coefficient β, J_β's
 
 
 def setting(r):
@@ -63,6 +66,7 @@ def setting(r):
     if r["method"] == "π_ref":
         return ""
     s = f"KL coef {r['kl_coef']:g}" if r["method"] in KL_COEF_METHODS else f"β {r['beta']:g}"
+    s += f", γ {r['simpo_gamma']:g}" if r["method"] == "SimPO" else ""
     return f"{s}, lr {r['lr']:g}"
 
 
@@ -235,9 +239,10 @@ def j_beta_markdown(rows, cfg):
     """The objective DPO and PPO both claim to maximise, E[r] − β·KL, at each β they share."""
     groups, body = settings(rows), []
     beta_of = lambda m, rs: rs[0]["kl_coef" if m in KL_COEF_METHODS else "beta"]  # noqa: E731
-    for b in sorted({beta_of(m, rs) for (m, _), rs in groups.items() if m != "π_ref"}):
+    # SimPO's β scales its margin, not a KL: it has no J_β of its own
+    for b in sorted({beta_of(m, rs) for (m, _), rs in groups.items() if m in J_METHODS}):
         cells, per_seed = [f"{b:g}"], {}
-        for m in METHODS:
+        for m in J_METHODS:
             at = [(name, rs) for (mm, name), rs in groups.items()
                   if mm == m and beta_of(m, rs) == b]
             if not at:
@@ -256,7 +261,7 @@ def j_beta_markdown(rows, cfg):
             f" [{d[1]:+.2f}, {d[2]:+.2f}]" if d[1] is not None else ""))
         body.append(cells)
     shared = [c for c in body if sum(x != "–" for x in c[1:]) >= 2]
-    md = table(["β = KL coef", *METHODS, "DPO − PPO [95% Welch]"], shared or body)
+    md = table(["β = KL coef", *J_METHODS, "DPO − PPO [95% Welch]"], shared or body)
     return (f"## The regularised objective{regime_title(rows[0]['regime'], cfg)}: "
             f"J_β = E[r] − β·KL(π‖π_ref)\n\n{md}\n\nThe objective both DPO (eq. 3 of "
             "Rafailov et al. 2023, which DPO's loss solves in closed form) and PPO with a KL "
@@ -350,7 +355,7 @@ def write_tables(rows, curves, cfg):
         return md + "\n\n(no frontier.png, curves.png: matplotlib is not installed)", sections
     fig, ax = plt.subplots(figsize=(6, 4))
     groups = settings(rows)
-    for method, marker in zip(METHODS, "oDv*s^"):
+    for method, marker in zip(METHODS, "PoDv*s^"):
         pts = [(mean_se([r["kl"] for r in rs]), mean_se([r["true_reward"] for r in rs]))
                for (m, _), rs in groups.items() if m == method]
         if not pts:

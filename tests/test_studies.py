@@ -260,6 +260,7 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
                          reward_model=sft_file, ref_logps=str(root / "ref_logps"), betas="0.1",
                          dpo_lrs="1e-3", nll_betas="", kl_coefs="0.05", ppo_lrs="1e-4",
                          true_kl_coefs="", online_betas="", grpo_kl_coefs="0.05",
+                         simpo_betas="2",
                          seeds="1,1001", dpo_steps=2, ppo_iterations=2, eval_k=1, curve_beta=0.1,
                          curve_kl_coef=0.05, curve_points=2, match_kls="0.001", rounds=1,
                          time_steps=2, results=str(root / "RESULTS.md"))
@@ -269,26 +270,36 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
     assert [(r["run"], r["method"], r["seed"]) for r in rows] == [
         ("ref", "π_ref", ""), ("dpo-beta0.1-lr0.001-seed1", "DPO", "1"),
         ("dpo-beta0.1-lr0.001-seed1001", "DPO", "1001"),
+        ("simpo-beta2-gamma0.5-lr0.001-seed1", "SimPO", "1"),
+        ("simpo-beta2-gamma0.5-lr0.001-seed1001", "SimPO", "1001"),
         ("ppo-kl0.05-lr0.0001-seed1", "PPO", "1"), ("ppo-kl0.05-lr0.0001-seed1001", "PPO", "1001"),
         ("grpo-kl0.05-lr0.0001-seed1", "GRPO", "1"),
         ("grpo-kl0.05-lr0.0001-seed1001", "GRPO", "1001")]
-    assert all(r["kl_coef"] == "0.05" and r["beta"] == "" for r in rows[3:])
+    assert [(r["beta"], r["simpo_gamma"]) for r in rows[1:5]] == [("0.1", "")] * 2 + [
+        ("2.0", "0.5")] * 2
+    assert all(r["kl_coef"] == "0.05" and r["beta"] == "" for r in rows[5:])
+    assert "| SimPO | β 2, γ 0.5, lr 0.001 | 2 |" in (root / "out" / "frontier.md").read_text()
+    # SimPO read no cache and measured its KL to π_ref at evaluation: a real number, not 0
+    assert float(rows[3]["kl"]) != 0.0
+    # its β scales a margin, not a KL: no J_β row of its own
+    jb = (root / "out" / "frontier.md").read_text().split("J_β = E[r]")[1].split("\n\n")[1]
+    assert [line.split("|")[1].strip() for line in jb.splitlines()[2:]] == ["0.05", "0.1"]
     assert float(rows[0]["kl"]) == 0.0 and all(math.isfinite(float(r[k])) for r in rows
                                                for k in ("kl", "true_reward", "win_rate"))
     # every row carries r_φ's score, π_ref's and DPO's too (scored at evaluation only)
     assert all(math.isfinite(float(r["reward_model_score"])) for r in rows)
     # the seeds trained differently
-    assert rows[1]["kl"] != rows[2]["kl"] and rows[3]["kl"] != rows[4]["kl"] != rows[5]["kl"]
+    assert rows[1]["kl"] != rows[2]["kl"] and rows[5]["kl"] != rows[6]["kl"] != rows[7]["kl"]
     md = (root / "out" / "frontier.md").read_text()
     # each setting's row: the mean over its two seeds ± the standard error across them
-    for i in (1, 3, 5):
+    for i in (1, 3, 5, 7):
         m, se = tables.mean_se([float(rows[j]["true_reward"]) for j in (i, i + 1)])
         assert f"{m:+.3f} ± {se:.3f}" in md
     # each curve: step 0 is π_ref, its last point the first seed's eval.json (ppo.py's and dpo.py's)
     with open(root / "out" / "curves.csv") as f:
         curves = list(csv.DictReader(f))
     for run, row in (("dpo-beta0.1-lr0.001-seed1", rows[1]),
-                     ("ppo-kl0.05-lr0.0001-seed1", rows[3])):
+                     ("ppo-kl0.05-lr0.0001-seed1", rows[5])):
         c = [r for r in curves if r["run"] == run]
         assert [int(r["step"]) for r in c] == [0, 1, 2] and float(c[0]["kl"]) == 0.0
         assert c[-1]["kl"] == row["kl"] and c[-1]["true_reward"] == row["true_reward"]
@@ -326,16 +337,17 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
         assert section.startswith("- Command: `python -m study.compare --out_dir "), name
     assert "#### The frontier" in written and "#### Learning curves" in written and "7B" in written
     costs_before = written.split("<!-- begin costs -->")[1]
-    # resumed on two ranks with one more β: the five finished runs are skipped, only β 0.3 trains
+    # resumed on two ranks with one more β: the nine finished runs are skipped, only β 0.3 trains
     args = [a for k, v in vars(replace(cfg, betas="0.1,0.3")).items() if not isinstance(v, bool)
             for a in (f"--{k}", str(v))]
     p = run_torchrun("-m study.compare", args + ["--no-costs"])
-    assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 7
-    assert "[4/9] dpo-beta0.3-lr0.001-seed1: dpo.main" in p.stdout
+    assert p.stdout.count("eval.json exists with the same config and inputs: skipped") == 9
+    assert "[4/11] dpo-beta0.3-lr0.001-seed1: dpo.main" in p.stdout
     with open(root / "out" / "frontier.csv") as f:
         assert [r["run"] for r in csv.DictReader(f)] == [
             "ref", "dpo-beta0.1-lr0.001-seed1", "dpo-beta0.1-lr0.001-seed1001",
             "dpo-beta0.3-lr0.001-seed1", "dpo-beta0.3-lr0.001-seed1001",
+            "simpo-beta2-gamma0.5-lr0.001-seed1", "simpo-beta2-gamma0.5-lr0.001-seed1001",
             "ppo-kl0.05-lr0.0001-seed1", "ppo-kl0.05-lr0.0001-seed1001",
             "grpo-kl0.05-lr0.0001-seed1", "grpo-kl0.05-lr0.0001-seed1001"]
     # the frontier's and the curves' sections rewritten by the torchrun command, the costs' kept
