@@ -32,6 +32,7 @@ class Config:
 
 
 PROXY_METHODS = ("PPO", "GRPO", "online DPO")  # the methods that optimise r_φ's scores
+FAR_KL = 50.0  # nats: a point past it is named at the plot's edge, not drawn to scale
 
 
 def mean_se(cell):
@@ -113,12 +114,21 @@ def draw(points, out, runs=()):
                         textcoords="offset points",
                         xytext=(4, 4), fontsize=7, color=line.get_color())
     ax.plot([ref["kl"]], [ref["reward"]], "ks", label="π_ref")
+    # a collapsed run far out on KL would squeeze every other point: named at the edge instead
+    near = [p["kl"] for p in points if p["kl"] <= FAR_KL]
+    if len(near) < len(points):
+        right = 1.15 * max(near)
+        ax.set_xlim(-0.02 * right, right)
+        for p in points:
+            if p["kl"] > FAR_KL:
+                ax.annotate(f"{p['method']} ({p['setting']}) at KL {p['kl']:.0f} →",
+                            (right, p["reward"]), ha="right", va="bottom", fontsize=7)
     ax.set_xlabel("KL(π‖π_ref), nats per completion")
     ax.set_ylabel("true reward (the task's hidden reward)")
     ax.set_title("Test prompts, mean ± s.e. over seeds; dashed: the envelope of the "
                  "configurations chosen on validation", fontsize=8)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center right")
     if runs:
         proxy_panel(axes[0][1], runs)
     fig.tight_layout()
