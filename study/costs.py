@@ -646,7 +646,8 @@ def costs_markdown(res, cfg):
         "runs in one epoch, so a run of one epoch or less saves memory, not FLOPs. From then on "
         f"a step costs {B['dpo_cache']['flops_per_token'] / B['dpo_live']['flops_per_token']:.0%} "
         f"of a live one's FLOPs, and π_ref's {size(2 * res['at_7b']['params'])} of bf16 weights "
-        "are off every GPU all along."])
+        "leave each GPU under DDP and ZeRO-1; under FSDP a GPU held only its shard of them "
+        "(the FSDP column's live and cached rows)."])
 
 
 @dataclass
