@@ -43,11 +43,12 @@ from checkpoint import (input_fingerprint, prepare_outputs, require_same_tokeniz
 from evaluate import evaluate_held_out, print_samples, summary
 from meter import (Meter, anatomy, estimate_flops, format_anatomy, generate_flops, matmul_shapes,
                    measure_peak_flops, model_flops)
-from model import freeze, load_model, score_at_last, sequence_logprobs
+from model import freeze, load_model, sequence_logprobs
 from plumbing import (Logger, SEED_STRIDE, all_reduce_sum, autocast, barrier, broadcast_weights,
                       check, init_distributed, lr_at, parse_config, precision, require_stage,
                       set_lr, sharded, split_batch, sync_grads, teardown, wrap)
 from ppo import MAX_APPROX_KL, kl_estimators, msum, replies, sample
+from ppo import score as ppo_score
 from task import bradley_terry, require_task, true_reward
 
 # ==== config
@@ -155,14 +156,7 @@ def score(reward_model, ro, texts, idx, it, tok, cfg, d):
     response without EOS gets missing_eos_score (ppo.py's rule; the oracle's draws see it too).
     Returns (score (B,), has_eos (B,), scores (R,): every rank's, for the group baselines)."""
     B, R = len(idx), cfg.rollout_batch
-    has_eos = ((ro["resp"] == tok.eos) & ro["rmask"]).any(1)
-    if reward_model is not None:
-        with torch.no_grad(), autocast(d.device):
-            raw = score_at_last(reward_model(ro["tokens"], mask=ro["mask"]).float(), ro["mask"])
-    else:
-        raw = torch.tensor([true_reward(texts[i], y) for i, y in zip(idx, replies(tok, ro))],
-                           device=d.device)
-    mine = torch.where(has_eos, raw.float(), cfg.missing_eos_score)
+    mine, has_eos = ppo_score(reward_model, ro, texts, idx, tok, cfg, d)  # ppo.py's service
     scores = torch.zeros(R, device=d.device)
     scores[d.rank * B:(d.rank + 1) * B] = mine
     scores = all_reduce_sum(scores, d)
