@@ -2151,15 +2151,22 @@ def test_rpo_step_zero_adds_alpha_times_the_chosen_nll_per_token(tiny, dpo_cache
     cfg = dpo_cfg(tiny, "dpo-rpo/run", ref="live", steps=2, stop_after=1, rpo_alpha=0.7,
                   train_pairs=str(tiny.root / "dpo-rpo/pairs.jsonl"))
     dpo.main(cfg)
+    examples, ref_c, _ = ref_pair_logps(tiny, cfg)
+    nll = (-ref_c / torch.tensor([len(e["chosen"]) for e in examples])).mean().item()
+    assert dpo_metrics(cfg.out_dir)[0]["loss"] == pytest.approx(math.log(2) + 0.7 * nll, rel=1e-6)
+
+
+def ref_pair_logps(tiny, cfg):
+    """cfg's train pairs as dpo.py tokenizes them, and π_ref's summed response log-probs of each:
+    (examples, chosen (B,), rejected (B,)), from one padded batch."""
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
     examples, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
                                       cfg.max_prompt_len)
     b = data.collate_pairs(examples, tok.pad)
     with torch.no_grad():
-        ref_c, _ = pair_logps(load_model(cfg.ref_model)[0].eval(), b["input_ids"],
-                              b["targets"]).chunk(2)
-    nll = (-ref_c / torch.tensor([len(e["chosen"]) for e in examples])).mean().item()
-    assert dpo_metrics(cfg.out_dir)[0]["loss"] == pytest.approx(math.log(2) + 0.7 * nll, rel=1e-6)
+        c, r = pair_logps(load_model(cfg.ref_model)[0].eval(), b["input_ids"],
+                          b["targets"]).chunk(2)
+    return examples, c, r
 
 
 def test_simpo_step_zero_loss_is_the_closed_form(tiny, dpo_cache):  # noqa: F811
@@ -2174,13 +2181,8 @@ def test_simpo_step_zero_loss_is_the_closed_form(tiny, dpo_cache):  # noqa: F811
                   stop_after=1, train_pairs=str(tiny.root / "simpo-step0/pairs.jsonl"),
                   ref_logps=str(tiny.root / "simpo-step0/no-cache"))  # explicit, missing: unread
     dpo.main(cfg)
-    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
-    examples, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
-                                      cfg.max_prompt_len)
-    b = data.collate_pairs(examples, tok.pad)
-    with torch.no_grad():
-        lp_c, lp_r = pair_logps(load_model(cfg.ref_model)[0].eval(), b["input_ids"],
-                                b["targets"]).double().chunk(2)
+    examples, lp_c, lp_r = (x.double() if torch.is_tensor(x) else x
+                            for x in ref_pair_logps(tiny, cfg))
     mean_c = lp_c / torch.tensor([len(e["chosen"]) for e in examples])
     mean_r = lp_r / torch.tensor([len(e["rejected"]) for e in examples])
     assert (mean_c != lp_c / torch.tensor([len(e["rejected"]) for e in examples])).any()
