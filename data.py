@@ -189,6 +189,27 @@ def _nonempty(path, rows, what):
         raise DataError(f"{path}:1: no {what} (the file is empty)")
     return rows
 
+ID_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")  # online_dpo.py's pairs.jsonl
+
+def _step(row):
+    """A row's "step" (the optimizer step online DPO took it in), kept for --order file."""
+    return {"step": row["step"]} if "step" in row else {}
+
+def _id_pair(path, n, row):
+    """A row of token ids, as online_dpo.py writes each pair it stepped on: used as they are, not
+    encoded again, since a sampled completion need not be the tokenizer's own encoding of its text
+    and one that never ended has no EOS. Its texts are there to read; its "step" is kept."""
+    for k in ID_FIELDS:
+        v = row.get(k)
+        if not (isinstance(v, list) and v and all(type(t) is int and t >= 0 for t in v)):
+            raise DataError(f'{path}:{n}: field "{k}" must be a non-empty list of token ids '
+                            f'(integers >= 0), got {"nothing" if k not in row else _json_type(v)}')
+    if row["chosen_ids"] == row["rejected_ids"]:
+        raise DataError(f'{path}:{n}: "chosen_ids" and "rejected_ids" are identical')
+    texts = {k: row.get(k) if isinstance(row.get(k), str) else "" for k in ("prompt", "chosen",
+                                                                           "rejected")}
+    return dict(**texts, ids=tuple(row[k] for k in ID_FIELDS), **_step(row))
+
 def read_pairs(path):
     """Preference JSONL in TRL's formats: {"prompt", "chosen", "rejected"}, all strings or all lists
     of messages (rendered by the template); or an implicit prompt: only "chosen" and "rejected",
@@ -196,10 +217,14 @@ def read_pairs(path):
     extract_prompt), or the text up to the last whitespace before they differ (TRL cuts at the
     first differing character; we never cut a word). Other fields are ignored, as TRL ignores them
     (scores, ids), except beside implicit-prompt texts: there another key is likelier a misspelled
-    "prompt", whose words would silently be read as the texts' common opening."""
+    "prompt", whose words would silently be read as the texts' common opening. A row with
+    "chosen_ids" holds token ids (_id_pair), as online_dpo.py writes them; a "step" is kept."""
     out, repeats = [], []
     for n, line in _lines(path):
         row = _json_row(path, n, line)
+        if "chosen_ids" in row:
+            out.append(_id_pair(path, n, row))
+            continue
         p = _field(path, n, row, "prompt") if "prompt" in row else None
         c, r = _field(path, n, row, "chosen"), _field(path, n, row, "rejected")
         extra = sorted(set(row) - {"chosen", "rejected"})
@@ -240,7 +265,7 @@ def read_pairs(path):
                 raise DataError(f'{path}:{n}: no "prompt" field, and "chosen" and "rejected" share '
                                 f'no prompt (no whitespace inside their common prefix)')
             p, c, r = c[:cut], c[cut:], r[cut:]
-        out.append(dict(prompt=p, chosen=c, rejected=r))
+        out.append(dict(prompt=p, chosen=c, rejected=r, **_step(row)))
     if out and len(repeats) == len(out):  # a sentence may repeat its prompt; every row, no
         raise DataError(f'{path}:{repeats[0]}: in every row "chosen" and "rejected" both begin '
                         f'with the prompt: full texts beside a "prompt" field? Give the responses '
@@ -315,9 +340,11 @@ def encode_prompts(tok, texts, n):
     ids = [encode_prompt(tok, t) for t in texts]
     return [truncate_prompt(x, n) for x in ids], sum(len(x) > n for x in ids)
 
-def tokenize_pairs(tok, rows, max_len, max_prompt_len):
+def tokenize_pairs(tok, rows, max_len, max_prompt_len, path="the pairs"):
     """Rows {"prompt","chosen","rejected"} -> examples dict(index, prompt, chosen, rejected) of
     token ids, index = the row's position in rows (the reference log-prob cache key), and stats.
+    A row of ids (read_pairs: online_dpo.py's) keeps its ids; one outside the tokenizer's is an
+    error naming the row of path (read_pairs' file).
     Our truncation, when len(prompt) + len(longer response) > max_len (all counts with BOS/EOS):
       1. the prompt keeps its BOS and its last tokens, max(max_len - len(longer response),
          max_prompt_len) in all: cut only as much as needed, never below max_prompt_len;
@@ -329,10 +356,17 @@ def tokenize_pairs(tok, rows, max_len, max_prompt_len):
     assert 2 <= max_prompt_len < max_len, \
         f"need 2 <= max_prompt_len ({max_prompt_len}) < max_len ({max_len})"
     stats = dict(rows=len(rows), truncated_prompt=0, truncated_response=0, unusable=0)
-    examples = []
+    examples, cut = [], set()
     for i, row in enumerate(rows):
-        x = encode_prompt(tok, row["prompt"])
-        yc, yr = encode_response(tok, row["chosen"]), encode_response(tok, row["rejected"])
+        if "ids" in row:
+            x, yc, yr = (list(v) for v in row["ids"])
+            if max(x + yc + yr) >= tok.vocab_size:
+                line = row_lines(path)[i] if os.path.exists(path) else i + 1
+                raise DataError(f"{path}:{line}: token id {max(x + yc + yr)} is not one of the "
+                                f"tokenizer's {tok.vocab_size}: written with another tokenizer?")
+        else:
+            x = encode_prompt(tok, row["prompt"])
+            yc, yr = encode_response(tok, row["chosen"]), encode_response(tok, row["rejected"])
         L = max(len(yc), len(yr))
         if len(x) + L > max_len:
             keep = max(max_len - L, max_prompt_len)
@@ -343,14 +377,16 @@ def tokenize_pairs(tok, rows, max_len, max_prompt_len):
             if L > room:
                 yc, yr = yc[:room], yr[:room]
                 stats["truncated_response"] += 1
+                cut.add(i)
         if yc == yr:
             stats["unusable"] += 1
             continue
         examples.append(dict(index=i, prompt=x, chosen=yc, rejected=yr))
     # stats["chosen_lost_eos"], stats["rejected_lost_eos"]: usable pairs whose chosen (rejected)
-    # response was cut, so lost its EOS; counted per side, as an uneven cut is learned
+    # response was cut, so lost its EOS; counted per side, as an uneven cut is learned (a sampled
+    # completion that never ended had none to lose)
     for k in ("chosen", "rejected"):
-        stats[f"{k}_lost_eos"] = sum(e[k][-1] != tok.eos for e in examples)
+        stats[f"{k}_lost_eos"] = sum(e[k][-1] != tok.eos for e in examples if e["index"] in cut)
     return examples, stats
 
 HEAVY_CUT = 0.05  # truncation_warning speaks when more than this fraction of the rows lose tokens
@@ -478,6 +514,32 @@ def global_batch(n, batch_size, step, seed, lengths=None):
         assert len(lengths) == n, f"{len(lengths)} lengths for {n} examples"
         batch = batch[np.argsort(-np.asarray(lengths)[batch], kind="stable")]
     return batch.tolist()
+
+def file_batches(rows, examples, batch_size, path):
+    """The global batches of one pass over the pairs in the file's order (dpo.py --order file),
+    each a list of positions in examples (the usable rows, by their "index"). Rows with a "step"
+    (online_dpo.py's pairs.jsonl) make a batch per step, as online DPO took them; rows without
+    one, a batch per batch_size rows (a short tail dropped, as global_batch drops it)."""
+    has = [("step" in r) for r in rows]
+    if any(has) and not all(has):
+        n = row_lines(path)[has.index(not has[0])]
+        raise DataError(f'{path}:{n}: some rows have a "step" and some do not: --order file '
+                        f'takes a step per "step" value, or per --batch_size rows; not both')
+    if not any(has):
+        keys = [i // batch_size for i in range(len(rows) // batch_size * batch_size)]
+    else:
+        keys, lines = [r["step"] for r in rows], row_lines(path)
+        for j, k in enumerate(keys):
+            if type(k) is not int or (j and k < keys[j - 1]):
+                raise DataError(f'{path}:{lines[j]}: "step" {json.dumps(k)} must be an integer, '
+                                f'at or after the row before\'s: the rows are in the order they '
+                                f'were trained on')
+    at = {e["index"]: j for j, e in enumerate(examples)}
+    batches = {}
+    for i, k in enumerate(keys):
+        if i in at:
+            batches.setdefault(k, []).append(at[i])
+    return list(batches.values())
 
 def rank_slice(indices, rank, world):
     """This rank's contiguous share of the global batch; the shares are disjoint and cover it."""

@@ -32,6 +32,7 @@ Writes out/dpo/: model.safetensors (+ tokenizer.json), metrics.jsonl, eval.json,
 import os
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +80,10 @@ class Config:
     pack: bool = True  # the same numbers to fp32 rounding; faster where padding is waste
     steps: int = 200  # optimizer steps: 3.2 epochs of the task's 4,000 pairs (tune.py: flat there)
     batch_size: int = 64  # global batch in pairs per step, all ranks together
+    # "shuffle": epochs of seeded permutations of the pairs. "file": one pass in the file's order, a
+    # step per row "step" (online_dpo.py's pairs.jsonl: its steps, replayed) or per batch_size
+    # rows. "steps": those same batches, each whole, in an order drawn from --seed
+    order: str = "shuffle"
     micro_batch_size: int = 32  # pairs per forward on one rank (2x rows); accumulation is derived
     lr: float = 1e-3  # peak AdamW learning rate (tune.py: best of 1e-4, 3e-4, 1e-3 at β 0.3)
     warmup: int = 10  # linear warmup steps (the DPO paper warms up too), then cosine decay
@@ -229,6 +234,8 @@ def setup(cfg, d, log):
           "--label_smoothing applies to the sigmoid loss only")
     check(0 <= cfg.label_smoothing < 0.5 and cfg.beta > 0,
           "need beta > 0 and 0 <= label_smoothing < 0.5")
+    check(cfg.order in ("shuffle", "file", "steps"),
+          f"--order must be shuffle, file or steps, got {cfg.order!r}")
     # the cache for these inputs: yours get a folder of their own, and your pairs need your π_ref
     # (SimPO's too, whose policy starts from it, though its loss has no log π_ref to cache)
     pc = precompute.plan(precompute.Config(
@@ -252,8 +259,8 @@ def setup(cfg, d, log):
         check(os.path.exists(cfg.init), f"--init {cfg.init} does not exist")
         require_same_tokenizer(cfg.init, "--init", tok_path)
     tok = data.load_tokenizer(tok_path)
-    train, stats = data.tokenize_pairs(tok, data.read_pairs(cfg.train_pairs), cfg.max_len,
-                                       cfg.max_prompt_len)
+    rows = data.read_pairs(cfg.train_pairs)
+    train, stats = data.tokenize_pairs(tok, rows, cfg.max_len, cfg.max_prompt_len, cfg.train_pairs)
     val, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.val_pairs), cfg.max_len,
                                  cfg.max_prompt_len)
     log(f"data: {len(train)} train pairs ({stats['truncated_prompt']} prompts and "
@@ -262,10 +269,21 @@ def setup(cfg, d, log):
     warn = data.truncation_warning(stats, cfg.train_pairs, cfg.max_len)
     if warn:
         log(warn)
-    check(len(train) >= cfg.batch_size, f"{cfg.train_pairs} has {len(train)} usable pairs, "
-          f"fewer than --batch_size {cfg.batch_size}")
+    check(cfg.order != "shuffle" or len(train) >= cfg.batch_size, f"{cfg.train_pairs} has "
+          f"{len(train)} usable pairs, fewer than --batch_size {cfg.batch_size}")
     check(len(val) > 0, f"{cfg.val_pairs} has no usable pair: in each row chosen and rejected are "
           f"identical once cut to --max_len {cfg.max_len} tokens")
+    file_steps = None  # --order shuffle: data.global_batch draws each step's batch
+    if cfg.order != "shuffle":  # one pass: the file's batches, in its order or in a seeded one
+        file_steps = data.file_batches(rows, train, cfg.batch_size, cfg.train_pairs)
+        if cfg.order == "steps":
+            file_steps = [file_steps[i] for i in np.random.default_rng(cfg.seed).permutation(
+                len(file_steps))]
+        check(cfg.steps <= len(file_steps), f"--steps {cfg.steps} is more than the "
+              f"{len(file_steps)} batches of one pass over {cfg.train_pairs} (--order {cfg.order})")
+        uneven = next((len(b) for b in file_steps if len(b) % d.world), 0)
+        check(not uneven, f"a step of {cfg.train_pairs} holds {uneven} pairs, which {d.world} "
+              "ranks cannot share evenly: run it on fewer ranks")
     # what the weights are trained from (the reference cache is checked against the same files)
     inputs = input_fingerprint({"--ref_model": cfg.ref_model, "tokenizer": tok_path,
                                 "--train_pairs": cfg.train_pairs, "--init": cfg.init}, train)
@@ -280,7 +298,7 @@ def setup(cfg, d, log):
         ref_logps = tuple(load_ref_logps(path, pc, split, examples, d.device,
                                          precompute.command(pc))
                           for path, split, examples in zip(caches, ("train", "val"), (train, val)))
-    return tok, tok_path, train, val, inputs, ref_logps, pc.out_dir
+    return tok, tok_path, train, val, inputs, ref_logps, pc.out_dir, file_steps
 
 
 # ==== models resident in the training job
@@ -306,7 +324,8 @@ def load_models(cfg, d):
 def main(cfg):
     d = init_distributed()
     log = Logger(cfg.out_dir, d)
-    tok, tok_path, train, val, inputs, (ref_train, ref_val), cache = setup(cfg, d, log.print)
+    tok, tok_path, train, val, inputs, (ref_train, ref_val), cache, file_steps = setup(
+        cfg, d, log.print)
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     lengths = [data.longest_row(e) for e in train]  # to sort each batch by length
 
@@ -350,9 +369,15 @@ def main(cfg):
         # -- batch: this rank's share of the step's global batch, sorted by length and cut into
         # micro-batches of pairs, each packed into rows of max_len (--no-pack: padded to its own
         # longest row; the batch's loss and gradient are the unsorted batch's: data.global_batch)
-        mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
+        # (--order file or steps: the file's batch of this step, sorted so too; n: its pairs)
+        if file_steps is None:
+            mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
+        else:
+            mine = sorted(file_steps[step], key=lambda i: -lengths[i])
+        n = len(mine)
         mine = data.rank_slice(mine, d.rank, d.world)
-        cut = [mine[m * micro_batch:(m + 1) * micro_batch] for m in range(accum)]
+        per = -(-len(mine) // accum)  # a smaller batch (a file's step) fills fewer micro-batches
+        cut = [mine[m * per:(m + 1) * per] for m in range(accum) if mine[m * per:(m + 1) * per]]
         batches = [data.collate_pairs([train[i] for i in rows], tok.pad, cfg.pack * cfg.max_len)
                    for rows in cut]
         meter.lap("batch")
@@ -372,7 +397,7 @@ def main(cfg):
 
         for m, b in enumerate(batches):
             x, y, s = data.batch_to(b, d.device)
-            with sync_grads(model, m == accum - 1):  # all-reduce on the last micro-step only
+            with sync_grads(model, m == len(batches) - 1):  # all-reduce on the last micro-step
                 # -- policy forward: one forward over [chosen; rejected] scores both halves
                 with autocast(d.device):
                     pi_c, pi_r = pair_logps(model, x, y, s).chunk(2)  # (micro_batch,) each
@@ -381,7 +406,7 @@ def main(cfg):
                 # the micro-batch and divided by the global batch, x world as DDP averages over
                 # ranks: the gradient is the global batch's mean for any world and accumulation.
                 losses, r_c, r_r = pair_loss(pi_c, pi_r, ref_lp[m], y, s, cfg)
-                (losses.sum() * d.world / cfg.batch_size).backward()
+                (losses.sum() * d.world / n).backward()
                 meter.lap("loss")  # the backward included
             meter.count(*batch_flops(policy.config, x, y, tok.pad, backward=True, seq=s))
             meter.add(loss=losses.detach(), r_chosen=r_c, r_rejected=r_r,
@@ -391,7 +416,7 @@ def main(cfg):
         # -- update
         # (--fsdp: the grads are DTensor shards; the norm is all-reduced over them, the same one)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
-        s, n = meter.reduce(), cfg.batch_size  # sums over the global batch: means below
+        s = meter.reduce()  # sums over the global batch of n pairs: means below
         first_loss = check_step(s["loss"] / n, grad_norm, first_loss, f"step {step + 1}", ckpt_dir,
                                 "Try a lower --lr or --beta.")
         opt.step()

@@ -18,7 +18,9 @@ and what a reward that pays for words could hide: eos_rate (share of completions
 response_len (mean tokens of a completion, EOS included), true_reward_finished (mean true reward of
 the completions that emitted EOS; null if none did), in_language (share of completions that emitted
 EOS and are texts of the task's language, task.in_language: the share the hidden reward pays in
-full); ref_* the same for π_ref. With r_φ (--reward_model; a loop's cfg.reward_model), also
+full); with the built-in task's pool beside the prompts, beyond_pool and beyond_pool_p99 (shares
+above the pool's best response and its 99th percentile: what the pairs never or rarely showed);
+ref_* the same for π_ref. With r_φ (--reward_model; a loop's cfg.reward_model), also
 reward_model_score: r_φ's mean score by the same rule, the proxy PPO and online DPO optimise, beside
 the true reward, so that over-optimisation shows where it happens.
 The hidden reward belongs to the built-in task: on prompts its generator cannot write (a user's
@@ -81,11 +83,13 @@ def load_reward_model(path, tok, device):
 
 @torch.no_grad()
 def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_samples=3,
-                    missing_eos_score=MISSING_EOS_SCORE, pool_best=None, reward_model=None):
+                    missing_eos_score=MISSING_EOS_SCORE, pool_best=None, reward_model=None,
+                    pool_p99=None):
     """Sample, score and compare on `prompts` (a list of strings), sharded over ranks. Returns the
     eval fields (docs/DESIGN.md, "Contracts between stages"); `samples` holds the first few prompts
     with both models' completions. pool_best (task_pool_best): also the share of completions scored
-    above it, "beyond_pool": behaviour the training pairs never showed (task.fraction_beyond).
+    above it, "beyond_pool": behaviour the training pairs never showed (task.fraction_beyond);
+    pool_p99 (task_pool_p99): the share above the pool's 99th percentile, "beyond_pool_p99".
     reward_model (r_φ): also its mean score, "reward_model_score", by the missing-EOS rule."""
     was_training = policy.training
     policy.eval(), ref.eval()
@@ -126,6 +130,8 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
                         side + "lang": float(sum(e and task.in_language(p, y) for (p, _), y, e
                                                  in zip(chunk, texts, ended.tolist()))),
                         **({side + "beyond": (score > pool_best).sum()} if pool_best is not None
+                           else {}),
+                        **({side + "p99": (score > pool_p99).sum()} if pool_p99 is not None
                            else {})}
                 sides.append((texts, ended, score))
             (texts, ended, score), (ref_texts, ref_ended, ref_score) = sides
@@ -159,6 +165,9 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
         if pool_best is not None:
             res |= {"pool_best": pool_best, "beyond_pool": s["beyond"] / n,
                     "ref_beyond_pool": s["ref_beyond"] / n}
+        if pool_p99 is not None:
+            res |= {"pool_p99": pool_p99, "beyond_pool_p99": s["p99"] / n,
+                    "ref_beyond_pool_p99": s["ref_p99"] / n}
     else:
         res["true_reward_omitted"] = ("the prompts are not the built-in task's (its generator "
                                       "cannot write them): its hidden reward means nothing there")
@@ -241,7 +250,7 @@ def evaluate_held_out(policy, ref, tok, cfg, d, **kw):
     def on(path):
         return evaluate_policy(policy, ref, tok, data.read_prompts(path), d, k=cfg.eval_k,
                                pool_best=task.task_pool_best(path), reward_model=reward_model,
-                               **kw)
+                               pool_p99=task.task_pool_p99(path), **kw)
     ev = on(cfg.test_prompts)
     if cfg.val_prompts:
         ev["val"] = {k: v for k, v in on(cfg.val_prompts).items() if k != "samples"}
@@ -297,6 +306,7 @@ def main(cfg):
     res = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.prompts), d, k=cfg.k,
                           seed=cfg.seed, missing_eos_score=cfg.missing_eos_score,
                           pool_best=task.task_pool_best(cfg.prompts),
+                          pool_p99=task.task_pool_p99(cfg.prompts),
                           reward_model=load_reward_model(cfg.reward_model, tok, d.device))
     if d.is_main:
         print_samples(res, print)

@@ -21,7 +21,11 @@ What returns from PPO's job:
      precomputed, so π_ref is resident again and runs forward every round (the reference log-probs).
 What stays deleted: the critic (PPO's old log-probs and values), the per-token rewards with the KL
 penalty, and the advantages (GAE): the loss is still DPO's closed form, the β·KL constraint inside
-it. Writes out/online_dpo/: model.safetensors (+ tokenizer.json), metrics.jsonl, eval.json, ckpt/.
+it. Writes out/online_dpo/: model.safetensors (+ tokenizer.json), metrics.jsonl, eval.json, ckpt/,
+and pairs.jsonl: every labelled pair each round stepped on, in order, as token ids. dpo.py replays
+it (--train_pairs out/online_dpo/pairs.jsonl --order file --batch_size <rollout_batch>): the same
+steps on the same pairs, the same weights; --order steps takes them in another order, so the
+policy that trains on a pair is no longer the one that sampled it.
 """
 import copy
 import os
@@ -29,6 +33,7 @@ from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 import data
 import reward
@@ -146,6 +151,21 @@ def score(reward_model, out, ys, texts, tok, cfg, d):
                            device=d.device)
     has_eos = torch.tensor([y[-1] == tok.eos for y in ys], device=d.device)
     return torch.where(has_eos, raw.float(), cfg.missing_eos_score), has_eos
+
+
+def stepped_pairs(ex, it, tok, d):
+    """The rows of pairs.jsonl for round it: its untied pairs, all ranks', in the global batch's
+    order, as the token ids the step read (a completion that never ended has no EOS; a sample need
+    not be its text's encoding), with their texts to read. A tie weighed 0: it is no pair."""
+    mine = [dict(step=it + 1, prompt=tok.decode(p["prompt"]), chosen=tok.decode(p["chosen"]),
+                 rejected=tok.decode(p["rejected"]), prompt_ids=p["prompt"],
+                 chosen_ids=p["chosen"], rejected_ids=p["rejected"])
+            for p, keep in zip(ex["pairs"], ex["keep"].tolist()) if keep]
+    if d.world > 1:  # rank r holds the global batch's r-th share: gathered in rank order
+        parts = [None] * d.world
+        dist.all_gather_object(parts, mine)
+        mine = [row for part in parts for row in part]
+    return mine
 
 
 def sampling_flops(out, policy, reward_model):
@@ -273,6 +293,8 @@ def main(cfg):
     if start:
         broadcast_weights(policy, models.rollout, d)  # the rollout engine resumes with the policy
     log.start(start)  # metrics.jsonl keeps the rounds up to `start`
+    stepped = Logger(cfg.out_dir, d, "pairs.jsonl")  # the pairs of the rounds up to `start`, too
+    stepped.start(start)
     micro_batch = B // accum  # pairs per forward on this rank
     peak = measure_peak_flops(d.device, matmul_shapes(policy.config, 2 * micro_batch * T))
     scorer = {"model": f"r_φ {cfg.reward_model}", "true": "the hidden true reward (argmax)",
@@ -298,6 +320,7 @@ def main(cfg):
         log.log(it + 1, cfg.iterations, metrics, show=("loss", "rewards/accuracies", "score",
                                                        "true_reward", "kl", "ties",
                                                        "time/iteration"))
+        stepped.write(stepped_pairs(ex, it, tok, d))
         if (it + 1) % cfg.ckpt_every == 0 or it + 1 == end:  # written by rank 0
             save_checkpoint(ckpt_dir, it + 1, {"model": policy, "optim": opt},
                             {"config": asdict(cfg), "inputs": inputs, "first_loss": first_loss},
@@ -347,7 +370,7 @@ def experience(models, prompts, texts, it, accum, cfg, d, tok, meter):
         meter.count(*batch_flops(models.ref.config, x, y, tok.pad))
     meter.lap("reference")
     return {"out": out, "ys": ys, "texts": mine, "score": scores, "has_eos": has_eos,
-            "keep": (~tied).float(), "batches": batches, "ref_lp": ref_lp}
+            "keep": (~tied).float(), "pairs": pairs, "batches": batches, "ref_lp": ref_lp}
 
 
 def update(models, opt, ex, it, first_loss, cfg, d, meter, ckpt_dir, pad):

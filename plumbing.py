@@ -237,6 +237,7 @@ FLAG_RANGES = {
                     "[0, inf)"),
     **dict.fromkeys(("min_lr_frac", "gamma", "lam"), "[0, 1]"),
     "dropout": "[0, 1)", "check_at": "(0, 1)", "label_smoothing": "[0, 0.5)",
+    "delta": "(0, inf)",  # study/explore.py's equivalence margin: a width, so above 0
     "temperature": "[0.1, inf)",
     "group_size": "[2, inf)",  # a group's mean is its baseline: one completion alone has none
     "missing_eos_score": "(-inf, inf)",
@@ -372,10 +373,11 @@ def fmt_duration(s):
 class Logger:
     """Rank 0 prints; other ranks stay silent. Every stage speaks through log.print, and logs each
     step with log.log: all its numbers go to metrics.jsonl, a short ` | `-separated line of the few
-    a reader watches goes to stdout (nanoGPT's habit), under the same names."""
+    a reader watches goes to stdout (nanoGPT's habit), under the same names. name: another JSONL
+    of rows keyed by step, kept and written the same way (online_dpo.py's pairs.jsonl)."""
 
-    def __init__(self, out_dir, d):
-        self.is_main, self.path = d.is_main, os.path.join(out_dir, "metrics.jsonl")
+    def __init__(self, out_dir, d, name="metrics.jsonl"):
+        self.is_main, self.path = d.is_main, os.path.join(out_dir, name)
         self.t0, self.step0 = time.time(), 0
 
     def print(self, *args):
@@ -408,13 +410,19 @@ class Logger:
                     kept.append(line)
         atomic_write_text(self.path, "".join(kept))
 
-    def log(self, step, total, metrics, show):
-        """Append {"step", **metrics} to metrics.jsonl; print the step, the `show` keys present
-        and the time left."""
+    def write(self, rows):
+        """Append rows (dicts with a "step") to the file, rank 0's."""
         if not self.is_main:
             return
         with written(self.path), open(self.path, "a") as f:  # torn by a kill: start() drops it
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+    def log(self, step, total, metrics, show):
+        """Append {"step", **metrics} to metrics.jsonl; print the step, the `show` keys present
+        and the time left."""
+        self.write([{"step": step, **metrics}])
+        if not self.is_main:
+            return
         eta = (time.time() - self.t0) / max(step - self.step0, 1) * (total - step)
         parts = [f"{k} {metrics[k]:.4g}" for k in show if k in metrics]
         print(" | ".join([f"step {step}/{total}", *parts, f"eta {fmt_duration(eta)}"]), flush=True)

@@ -185,7 +185,7 @@ def main(cfg):
           f"--max_len {cfg.max_len} > π_ref's block_size {model.config.block_size}")
     for split, pairs in (("train", cfg.train_pairs), ("val", cfg.val_pairs)):
         rows = data.read_pairs(pairs)
-        examples, stats = data.tokenize_pairs(tok, rows, cfg.max_len, cfg.max_prompt_len)
+        examples, stats = data.tokenize_pairs(tok, rows, cfg.max_len, cfg.max_prompt_len, pairs)
         check(examples, f"{pairs} has no usable pair: in each row chosen and rejected are "
               f"identical once cut to --max_len {cfg.max_len} tokens")
         warn = data.truncation_warning(stats, pairs, cfg.max_len)

@@ -17,6 +17,8 @@ import re
 import shutil
 import time
 
+import numpy as np
+
 import data
 from plumbing import atomic_write_text, barrier, require_stage
 
@@ -251,6 +253,13 @@ def pool_best(rows):
     ignores the prompt, and held-out prompts are not in the pool."""
     return max(true_reward(r["prompt"], r[k]) for r in rows for k in ("chosen", "rejected"))
 
+def pool_quantile(rows, q):
+    """The q-quantile of the true rewards of a pair pool's responses (both of each row; numpy's
+    linear interpolation): q 0.99 marks behaviour the pool shows rarely, where its best (q 1)
+    may be one outlier."""
+    return float(np.quantile([true_reward(r["prompt"], r[k]) for r in rows
+                              for k in ("chosen", "rejected")], q))
+
 def fraction_beyond(rewards, best):
     """The share of completions (their true rewards) beyond the pool's best: behaviour the pairs
     never showed, which only exploration, or extrapolation, can reach."""
@@ -378,6 +387,15 @@ def task_pool_best(prompts_path):
     if not os.path.exists(os.path.join(folder, "task.json")):
         return None
     return pool_best(data.read_pairs(os.path.join(folder, "pairs_train.jsonl")))
+
+
+def task_pool_p99(prompts_path):
+    """The 99th percentile of the true rewards of the task's pair pool (pool_quantile), when
+    prompts_path is in a built-in task's folder; else None."""
+    folder = os.path.dirname(prompts_path)
+    if not os.path.exists(os.path.join(folder, "task.json")):
+        return None
+    return pool_quantile(data.read_pairs(os.path.join(folder, "pairs_train.jsonl")), 0.99)
 
 
 if __name__ == "__main__":

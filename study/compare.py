@@ -58,7 +58,7 @@ from model import load_model
 from study import costs
 from study.results import flags, launcher, write_section
 from study.tables import floats, write_tables
-from task import require_task, task_pool_best
+from task import require_task, task_pool_best, task_pool_p99
 
 
 @dataclass
@@ -304,8 +304,9 @@ def evaluate_checkpoint(stage, c, d, prompts=None):
     load_checkpoint(os.path.join(c.out_dir, "ckpt"), {name: policy}, d.device)
     prompts = prompts or c.test_prompts
     return evaluate_policy(policy, ref, tok, data.read_prompts(prompts), d, k=c.eval_k,
-                           pool_best=task_pool_best(prompts), reward_model=load_reward_model(
-                               getattr(c, "reward_model", ""), tok, d.device))
+                           pool_best=task_pool_best(prompts), pool_p99=task_pool_p99(prompts),
+                           reward_model=load_reward_model(getattr(c, "reward_model", ""), tok,
+                                                          d.device))
 
 
 def train_in_chunks(stage, c, points, d, resume, test=True, val_at=None):
@@ -370,7 +371,8 @@ def curve_rows(name, stage, c, ref_ev, points):
 
 
 EV_FIELDS = ("kl", "true_reward", "win_rate", "eos_rate", "response_len", "true_reward_finished",
-             "beyond_pool", "top_word_rate", "in_language", "reward_model_score")
+             "beyond_pool", "beyond_pool_p99", "top_word_rate", "in_language",
+             "reward_model_score")
 
 
 def ev_fields(ev):
@@ -380,6 +382,7 @@ def ev_fields(ev):
     return {**{k: ev.get(k) for k in EV_FIELDS},
             "true_reward_se": ev["true_reward_std"] / ev["n_completions"] ** 0.5,  # sampling only
             "n_completions": ev["n_completions"], "pool_best": ev.get("pool_best"),
+            "pool_p99": ev.get("pool_p99"),
             **{f"ref_{k}": ev.get(f"ref_{k}") for k in EV_FIELDS[1:] if k != "win_rate"}}
 
 
@@ -440,9 +443,10 @@ def keep_inputs(cfg, models, d, say, restore):
     check(not main_decides(bool(other), d), other[0] if other else "rank 0 refused the inputs")
 
 
-def frontier(cfg, Rs, d, say):
+def frontier(cfg, Rs, d, say, runs_of=None):
     """Train every run of every regime in Rs not already done (the curve runs in chunks); then, on
-    rank 0, one row per run from its eval.json, and the learning curves' rows."""
+    rank 0, one row per run from its eval.json, and the learning curves' rows. runs_of(cfg, R): a
+    regime's runs, as sweep's (a study's own arms; default: sweep)."""
     check(cfg.curve_points == 0 or (cfg.curve_beta in floats(cfg.betas)
                                     and cfg.curve_kl_coef in floats(cfg.kl_coefs)),
           f"--curve_beta {cfg.curve_beta:g} must be one of --betas and --curve_kl_coef "
@@ -454,7 +458,7 @@ def frontier(cfg, Rs, d, say):
     for R in Rs:
         prompts = [os.path.join(R["task"], f"prompts_{s}.jsonl") for s in ("val", "test")]
         todo += [(R["prefix"] + "ref", None, {"k": cfg.eval_k, "prompts": prompts}, R)]
-        todo += [(*run, R) for run in sweep(cfg, R)]
+        todo += [(*run, R) for run in (runs_of or sweep)(cfg, R)]
     t0, trained, spent = time.time(), 0, 0.0
     for i, (name, stage, c, R) in enumerate(todo):
         # run.json: what the run was made from (its config, π_ref's and r_φ's sha256, whether it

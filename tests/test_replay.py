@@ -1,0 +1,172 @@
+"""Online DPO's replay file: online_dpo.py writes every pair it stepped on, in order, and dpo.py
+trains on exactly those (--order file), or on the same batches in another order (--order steps).
+
+The promises: the file holds the pairs and labels each round's step read, untied, in the global
+batch's order; it resumes as the run does and is the same on two ranks; dpo.py --order file on it
+is online DPO's run again, step for step; --order steps takes the same batches in a seeded order;
+a bad row is an error naming its file, line and field."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import data
+import dpo
+import online_dpo
+import precompute
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = 1e-5  # the order of fp32 sums: packed and padded batches, a cache and a live π_ref
+
+
+def lines(path):
+    return [json.loads(s) for s in open(path).read().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def online(tiny, tmp_path_factory):  # noqa: F811
+    """A short online DPO run (the hidden reward's argmax labels, which tie often here; 4 rounds
+    of 8 pairs) whose steps are watched: the pairs each update read and their weights. Returns
+    (its folder, its config dict, the watched rounds)."""
+    root = tmp_path_factory.mktemp("replay")
+    (root / "eval.jsonl").write_text("".join(open(f"{tiny.task}/prompts_test.jsonl")
+                                             .readlines()[:2]))
+    cfg = dict(sft=f"{tiny.sft}/model.safetensors", prompts=f"{tiny.task}/prompts_train.jsonl",
+               test_prompts=str(root / "eval.jsonl"), iterations=4, rollout_batch=8,
+               micro_batch_size=4, eval_k=1, lr=3e-3, warmup=1, reward="true", beta=0.1)
+    seen, update = [], online_dpo.update
+
+    def watched(models, opt, ex, *a, **kw):
+        seen.append([(p["prompt"], p["chosen"], p["rejected"], w)
+                     for p, w in zip(ex["pairs"], ex["keep"].tolist())])
+        return update(models, opt, ex, *a, **kw)
+    online_dpo.update = watched
+    try:
+        online_dpo.main(online_dpo.Config(out_dir=str(root / "one"), **cfg))
+    finally:
+        online_dpo.update = update
+    return root, cfg, seen
+
+
+def test_online_dpo_writes_the_pairs_it_stepped_on_in_order(online):
+    root, cfg, seen = online
+    rows = lines(root / "one" / "pairs.jsonl")
+    # each round's pairs of nonzero weight, in the batch's order, the chosen as the loss took it
+    want = [(k + 1, p, c, r) for k, rnd in enumerate(seen) for p, c, r, w in rnd if w]
+    got = [(x["step"], x["prompt_ids"], x["chosen_ids"], x["rejected_ids"]) for x in rows]
+    assert got == want
+    assert len(seen) == cfg["iterations"] and any(not w for rnd in seen for *_, w in rnd), \
+        "no round tied: the test cannot see ties left out"
+    tok = data.load_tokenizer(f"{os.path.dirname(cfg['sft'])}/tokenizer.json")
+    for x in rows:  # the texts, to read
+        assert x["chosen"] == tok.decode(x["chosen_ids"])
+        assert x["prompt"] == tok.decode(x["prompt_ids"])
+    # the metrics' ties agree: a round's rows are its untied pairs
+    m = lines(root / "one" / "metrics.jsonl")
+    assert [sum(x["step"] == k + 1 for x in rows) for k in range(len(m))] == [
+        round((1 - s["ties"]) * cfg["rollout_batch"]) for s in m]
+
+
+def test_dpo_on_the_replay_file_in_order_is_the_online_run_again(online, tiny):  # noqa: F811
+    # The same steps on the same pairs: every step's loss, margin and gradient norm are online
+    # DPO's (the first step at π = π_ref included), and so are the final weights, to fp32 rounding
+    root, cfg, _ = online
+    val = root / "val.jsonl"
+    val.write_text("".join(open(f"{tiny.task}/pairs_val.jsonl").readlines()[:16]))
+    pc = precompute.Config(out_dir=str(root / "cache"), ref_model=cfg["sft"],
+                           train_pairs=str(root / "one" / "pairs.jsonl"), val_pairs=str(val))
+    precompute.main(pc)  # log π_ref of the replayed pairs: online DPO ran π_ref live on them
+    rep = dpo.Config(out_dir=str(root / "replay"), ref_model=cfg["sft"],
+                     train_pairs=pc.train_pairs, val_pairs=pc.val_pairs, ref_logps=pc.out_dir,
+                     test_prompts=cfg["test_prompts"], order="file",
+                     batch_size=cfg["rollout_batch"], micro_batch_size=cfg["micro_batch_size"],
+                     steps=cfg["iterations"], lr=cfg["lr"], warmup=cfg["warmup"],
+                     beta=cfg["beta"], eval_k=1, eval_every=100)
+    dpo.main(rep)
+    a, b = lines(root / "one" / "metrics.jsonl"), lines(root / "replay" / "metrics.jsonl")
+    assert len(a) == len(b) == cfg["iterations"]
+    for k in ("loss", "rewards/margins", "logps/chosen", "grad_norm"):
+        assert all(abs(x[k] - y[k]) <= TOL * max(1, abs(x[k])) for x, y in zip(a, b)), k
+    assert abs(a[0]["loss"] - 0.6931472) < 1e-6  # step 1: π = π_ref, log 2 on every pair
+    # the weights to fp32 rounding; 1e-3 for the attention's key bias, whose true gradient is 0
+    # (softmax ignores a shift of every score), so AdamW turns rounding noise into ±lr steps
+    w1, w2 = (load_file(root / f / "model.safetensors") for f in ("one", "replay"))
+    assert w1.keys() == w2.keys() and all(
+        torch.allclose(w1[k], w2[k], atol=1e-3 if k.endswith("c_attn.bias") else 1e-5)
+        for k in w1)
+    # --order steps: the same batches, each whole, in a seeded order, so step 1's loss is still
+    # log 2 (π = π_ref) but its batch is another round's; the order differs from the file's
+    steps = data.file_batches(data.read_pairs(rep.train_pairs), [
+        dict(index=i) for i in range(len(lines(rep.train_pairs)))], 8, rep.train_pairs)
+    assert len(steps) == cfg["iterations"]
+    dpo.main(dpo.Config(**{**rep.__dict__, "out_dir": str(root / "shuffled"), "order": "steps",
+                           "seed": 5}))
+    c = lines(root / "shuffled" / "metrics.jsonl")
+    assert abs(c[0]["loss"] - 0.6931472) < 1e-6
+    assert [x["loss"] for x in c[1:]] != pytest.approx([x["loss"] for x in a[1:]], abs=1e-4)
+
+
+def test_file_batches_group_by_step_or_by_batch_size(tmp_path):
+    rows = [dict(step=s) for s in (1, 1, 2, 4, 4, 4)]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join("{}\n" for _ in rows))
+    examples = [dict(index=i) for i in (0, 1, 2, 4, 5)]  # row 3 unusable: left out of its step
+    assert data.file_batches(rows, examples, 2, str(path)) == [[0, 1], [2], [3, 4]]
+    plain = [{} for _ in range(7)]
+    path.write_text("".join("{}\n" for _ in plain))
+    assert data.file_batches(plain, [dict(index=i) for i in range(7)], 3, str(path)) == [
+        [0, 1, 2], [3, 4, 5]]  # the short tail dropped
+    for bad, line, what in (([1, 2, 1], 3, '"step" 1'), ([1, "2", 3], 2, '"step" "2"')):
+        path.write_text("{}\n" * 3)
+        with pytest.raises(data.DataError, match=f"p.jsonl:{line}: {what} must be an integer"):
+            data.file_batches([dict(step=s) for s in bad], [dict(index=i) for i in range(3)], 1,
+                              str(path))
+    path.write_text("{}\n" * 2)
+    with pytest.raises(data.DataError, match="p.jsonl:2: some rows have a \"step\""):
+        data.file_batches([dict(step=1), {}], [dict(index=0), dict(index=1)], 1, str(path))
+
+
+def test_a_row_of_token_ids_is_read_as_ids_and_a_bad_one_named(tmp_path, tiny):  # noqa: F811
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    path = tmp_path / "ids.jsonl"
+    good = dict(step=1, prompt_ids=[tok.eos, 5, 6], chosen_ids=[7, 8], rejected_ids=[7, 9, tok.eos])
+    path.write_text(json.dumps(good) + "\n")
+    rows = data.read_pairs(str(path))
+    ex, _ = data.tokenize_pairs(tok, rows, 64, 16, str(path))
+    # kept as written: no EOS added to the chosen completion, which never ended
+    assert (ex[0]["prompt"], ex[0]["chosen"], ex[0]["rejected"]) == (
+        [tok.eos, 5, 6], [7, 8], [7, 9, tok.eos])
+    for change, msg in (({"chosen_ids": []}, 'field "chosen_ids" must be a non-empty list'),
+                        ({"rejected_ids": [7, -1]}, 'field "rejected_ids" must be'),
+                        ({"prompt_ids": "0 5"}, 'field "prompt_ids" must be'),
+                        ({"rejected_ids": [7, 8]}, '"chosen_ids" and "rejected_ids" are')):
+        path.write_text("\n" + json.dumps(good) + "\n" + json.dumps({**good, **change}) + "\n")
+        with pytest.raises(data.DataError, match=f"ids.jsonl:3: {msg}"):
+            data.read_pairs(str(path))
+    path.write_text(json.dumps({**good, "chosen_ids": [tok.vocab_size]}) + "\n")
+    with pytest.raises(data.DataError, match=f"ids.jsonl:1: token id {tok.vocab_size} is not"):
+        data.tokenize_pairs(tok, data.read_pairs(str(path)), 64, 16, str(path))
+
+
+def test_the_replay_file_resumes_with_the_run_and_is_the_same_on_two_ranks(online):
+    root, cfg, _ = online
+    want = (root / "one" / "pairs.jsonl").read_text()
+    # stopped after 2 rounds, a torn line left by a kill, then resumed: the same file
+    split = online_dpo.Config(out_dir=str(root / "split"), stop_after=2, ckpt_every=2, **cfg)
+    online_dpo.main(split)
+    with open(root / "split" / "pairs.jsonl", "a") as f:
+        f.write('{"step": 3, "prompt": "torn')
+    online_dpo.main(online_dpo.Config(**{**split.__dict__, "stop_after": 0}))
+    assert (root / "split" / "pairs.jsonl").read_text() == want
+    # two gloo ranks, each sampling half of every round: rank 0 writes all, in the batch's order
+    flags = [f"--{k}={v}" for k, v in {**cfg, "out_dir": root / "two"}.items()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                        "online_dpo.py", *flags], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (root / "two" / "pairs.jsonl").read_text() == want
