@@ -106,6 +106,9 @@ def test_dpo_on_the_replay_file_in_order_is_the_online_run_again(online, tiny): 
     dpo.main(dpo.Config(**{**rep.__dict__, "out_dir": str(root / "shuffled"), "order": "steps",
                            "seed": 5}))
     c = lines(root / "shuffled" / "metrics.jsonl")
+    # one pass: more steps than the file's batches is refused before any work
+    with pytest.raises(SystemExit, match=r"--steps 5 is more than the 4 batches of one pass"):
+        dpo.main(dpo.Config(**{**rep.__dict__, "out_dir": str(root / "long"), "steps": 5}))
     assert abs(c[0]["loss"] - 0.6931472) < 1e-6
     assert [x["loss"] for x in c[1:]] != pytest.approx([x["loss"] for x in a[1:]], abs=1e-4)
 
@@ -136,10 +139,12 @@ def test_a_row_of_token_ids_is_read_as_ids_and_a_bad_one_named(tmp_path, tiny): 
     good = dict(step=1, prompt_ids=[tok.eos, 5, 6], chosen_ids=[7, 8], rejected_ids=[7, 9, tok.eos])
     path.write_text(json.dumps(good) + "\n")
     rows = data.read_pairs(str(path))
-    ex, _ = data.tokenize_pairs(tok, rows, 64, 16, str(path))
-    # kept as written: no EOS added to the chosen completion, which never ended
+    ex, stats = data.tokenize_pairs(tok, rows, 64, 16, str(path))
+    # kept as written: no EOS added to the chosen completion, which never ended; nothing was cut,
+    # so no EOS counts as lost (the truncation warning stays silent)
     assert (ex[0]["prompt"], ex[0]["chosen"], ex[0]["rejected"]) == (
         [tok.eos, 5, 6], [7, 8], [7, 9, tok.eos])
+    assert stats["chosen_lost_eos"] == stats["rejected_lost_eos"] == 0
     for change, msg in (({"chosen_ids": []}, 'field "chosen_ids" must be a non-empty list'),
                         ({"rejected_ids": [7, -1]}, 'field "rejected_ids" must be'),
                         ({"prompt_ids": "0 5"}, 'field "prompt_ids" must be'),
