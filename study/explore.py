@@ -118,7 +118,10 @@ def arms(cc, R):
             **{**c.__dict__, "out_dir": f"{o}/replay-{tail}", "batch_size": cc.online_batch,
                "train_pairs": f"{src.out_dir}/pairs.jsonl", "order": "steps",
                "steps": src.iterations, "ref_logps": dpo.Config.ref_logps})))  # its cache: built
-    return runs + extra
+    # seed by seed, each seed's four arms together, so that an interrupted sweep leaves whole
+    # seeds for the paired contrasts (each arm's replay still after its online run)
+    order = {s: i for i, s in enumerate(compare.seed_list(cc))}
+    return sorted(runs + extra, key=lambda run: order[run[2].seed])
 
 
 def arm_of(row):
