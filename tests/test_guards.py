@@ -21,7 +21,7 @@ import precompute
 import task as tasks  # the built-in task (as test_all.py names it)
 from checkpoint import load_ref_logps
 from plumbing import init_distributed, parse_config
-from test_all import CPU, constant_gpt  # its fixtures come through conftest.py
+from tests.helpers import CPU, constant_gpt  # its fixtures come through conftest.py
 
 # ==================================================================================================
 # the reference cache: refused when only the token ids changed (checkpoint.fingerprint)

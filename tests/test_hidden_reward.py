@@ -17,7 +17,7 @@ import task as tasks  # the built-in task (as test_all.py names it)
 from model import GPT, GPTConfig, save_model
 from plumbing import init_distributed
 from study import compare, tables
-from test_all import DEFAULT_SHA256, constant_gpt  # its fixtures come through conftest.py
+from tests.helpers import DEFAULT_SHA256, constant_gpt  # fixtures come through conftest.py
 
 PENALTY = -1.0  # what the task's docs promise a malformed sentence earns (MALFORMED_SCORE)
 WEIGHT = {"great": 2.0, "superb": 2.0, "lovely": 1.5, "fun": 1.5, "good": 1.0, "nice": 1.0,
@@ -65,7 +65,7 @@ def pool(regime, name, seed=0):
 
 
 def test_pools_and_their_labels_are_byte_identical_and_paid_their_word_sums():
-    # the default pools' hashes are the files build_task writes (test_all checks them on disk)
+    # the default pools' hashes are the files build_task writes (tests/test_task.py checks them)
     for name in ("pairs_train", "pairs_val"):
         assert POOL_SHA256["default", name] == DEFAULT_SHA256[f"{name}.jsonl"]
     for (regime, name), want in POOL_SHA256.items():

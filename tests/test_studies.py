@@ -2,7 +2,7 @@
 statistics over seeds, the cost model against measured tensors and counted FLOPs, the tuning grid, a
 tiny sweep end to end (and resumed under torchrun), the per-rank bytes under DDP and FSDP, the GPU
 command on a CPU, RESULTS.md's sections, the KV-cache benchmark, the EOS study and the figure. The
-fixtures and helpers they need are test_all.py's.
+fixtures and helpers they need are tests/helpers.py's.
 
     pytest tests/test_studies.py
 """
@@ -33,7 +33,7 @@ from meter import estimate_flops
 from model import GPT, GPTConfig, load_model
 from plumbing import init_distributed
 from study import compare, costs, envelope, eos, explore, figure, gpu, results, tables, tune
-from test_all import dpo_cfg, dpo_weights, run_torchrun  # its fixtures come through conftest.py
+from tests.helpers import dpo_cfg, dpo_weights, run_torchrun  # fixtures come through conftest.py
 
 # ==================================================================================================
 # study/compare.py, study/tune.py
@@ -500,8 +500,8 @@ def test_analytic_flops_and_bytes_match_one_measured_iteration(tiny):  # noqa: F
 
 def test_rank_state_ddp_against_fsdp_on_two_gloo_ranks(tmp_path):
     """`torchrun --nproc_per_node=2 -m study.costs`: costs.rank_state's bytes each rank holds (the
-    assertions of test_all.py's test_fsdp_plumbing_on_two_gloo_ranks on it), and its table in the
-    section "fsdp" of --results."""
+    assertions of tests/test_fsdp.py's test_fsdp_plumbing_on_two_gloo_ranks on it), and its table in
+    the section "fsdp" of --results."""
     p = run_torchrun("-m study.costs", ["--results", str(tmp_path / "RESULTS.md")])
     res = json.loads(p.stdout.strip().splitlines()[-1])  # its last line: rank_state's result
     # costs.rank_state, the bytes each rank holds, measured: FSDP's two ranks hold together exactly
