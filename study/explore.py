@@ -41,7 +41,6 @@ import torch
 
 import data
 import dpo
-import iterative_dpo
 import online_dpo
 from plumbing import (atomic_write_text, check, fmt_duration, init_distributed, parse_config,
                       teardown)
@@ -66,7 +65,6 @@ class Config:
     beta: float = 0.3
     lr: float = 1e-3  # every arm's: dpo.py's and online_dpo.py's
     steps: int = dpo.Config.steps  # every arm's optimizer steps (online DPO's rounds)
-    iterative: bool = False  # a fifth arm, iterative DPO (4 rounds), outside the rule
     delta: float = 0.5  # the equivalence margin of J_β, written in RESULTS.md before the runs
     eval_k: int = dpo.Config.eval_k  # completions per test prompt
     keep: str = ""  # study.compare's --keep: the runs' records kept in the repository
@@ -74,7 +72,7 @@ class Config:
     section: str = "exploration"
 
 
-ARMS = ("DPO", "DPO, online's batch", "replay", "online DPO (oracle)", "iterative DPO")
+ARMS = ("DPO", "DPO, online's batch", "replay", "online DPO (oracle)")
 NAMES = {"DPO": "offline DPO", "replay": "replay of online's pairs"}
 # the contrasts, each arm − arm, paired by seed: what changes between them
 CONTRASTS = (("online DPO (oracle)", "replay", "on-policy training itself"),
@@ -85,9 +83,9 @@ PRIMARY = CONTRASTS[:2]
 
 
 def explore_config(cfg, n_pool):
-    """study.compare's Config for offline DPO, online DPO (oracle) and (--iterative) iterative DPO
-    at one β and lr, no curves, no costs; arms() adds the other two. n_pool: the pool's pairs, of
-    which online DPO gets n_pool // steps a round: dpo.py's labels over its steps."""
+    """study.compare's Config for offline DPO and online DPO (oracle) at one β and lr, no curves,
+    no costs; arms() adds the other two. n_pool: the pool's pairs, of which online DPO gets
+    n_pool // steps a round: dpo.py's labels over its steps."""
     check(n_pool % cfg.steps == 0, f"the pool's {n_pool} pairs do not split evenly into --steps "
           f"{cfg.steps} rounds of online DPO: the label budgets would differ")
     b = f"{cfg.beta:g}"
@@ -95,7 +93,7 @@ def explore_config(cfg, n_pool):
         out_dir=cfg.out_dir, task=cfg.task, sft=cfg.sft, reward_model=cfg.reward_model,
         ref_logps=cfg.ref_logps, betas=b, dpo_lrs=f"{cfg.lr:g}", nll_betas="", kl_coefs="",
         true_kl_coefs="", online_betas=b, online_rewards="oracle", online_lr=cfg.lr,
-        online_batch=n_pool // cfg.steps, iterative_betas=b if cfg.iterative else "",
+        online_batch=n_pool // cfg.steps,
         regimes=cfg.regimes, seeds=cfg.seeds, dpo_steps=cfg.steps, online_iterations=cfg.steps,
         eval_k=cfg.eval_k, curve_points=0, costs=False, keep=cfg.keep, results="")
 
@@ -265,24 +263,6 @@ def tables(rows, cfg, meta):
     return "\n".join(out), outcome
 
 
-def by_round(rows, cfg):
-    """Iterative DPO round by round, mean over the seeds of the default regime's runs: what each
-    round sampled and skipped, and its evaluation after it."""
-    runs = [os.path.join(cfg.out_dir, r["run"]) for r in rows
-            if r["regime"] == "default" and r["arm"] == "iterative DPO"]
-    if not runs:
-        return ""
-    out = ["#### Iterative DPO, round by round (regime default)\n",
-           "| round | prompts sampled | pairs skipped: a completion did not end | EOS rate | "
-           "KL(π‖π_ref) nats | true reward |", "|---|---|---|---|---|---|"]
-    per = [json.loads(Path(f, "rounds.json").read_text())["rounds"] for f in runs]
-    for k in range(len(per[0])):
-        m = lambda key: fmean(p[k][key] for p in per)  # noqa: E731
-        out.append(f"| {k + 1} | {m('sampled'):,.0f} | {m('unfinished'):,.0f} | "
-                   f"{m('eos_rate'):.1%} | {m('kl'):.2f} | {m('true_reward'):+.2f} |")
-    return "\n".join(out)
-
-
 def budget(stage, c, n_pool):
     """Pairs a step × steps, and where the pairs come from."""
     if stage is dpo:
@@ -291,8 +271,6 @@ def budget(stage, c, n_pool):
             f"the pool, {c.batch_size * c.steps / n_pool:.1f} passes"))
     if stage is online_dpo:
         return f"{c.rollout_batch} × {c.iterations}, fresh each round"
-    if stage is iterative_dpo:
-        return f"{c.pairs // c.steps} × {c.rounds * c.steps}, {c.rounds} rounds of fresh pairs"
     return ""
 
 
@@ -322,8 +300,6 @@ def main(cfg):
             meta[R["regime"]] = dict(rule=tj["regime_rule"], pool_top=tj["pool_top_word_rate"],
                                      n_pool=n_pool)
         md, _ = tables(rows, cfg, meta)
-        rounds = by_round(rows, cfg)
-        md += "\n\n" + rounds if rounds else ""
         wall = sum(r["wall_s"] or 0 for r in rows)
         md += (f"\n\nEach cell: mean over {len(compare.seed_list(cc))} seeds ({cfg.seeds}) "
                "[95% t-interval]; on the test prompts, "

@@ -25,14 +25,13 @@ from safetensors.torch import load_file, save_file
 import data
 import dpo
 import grpo
-import iterative_dpo
 import ppo
 import precompute
 import task as tasks  # the built-in task (as test_all.py names it)
 from meter import estimate_flops
 from model import GPT, GPTConfig, load_model
 from plumbing import init_distributed
-from study import compare, costs, envelope, eos, explore, figure, gpu, results, tables, tune
+from study import compare, costs, envelope, eos, figure, gpu, results, tables, tune
 from tests.helpers import dpo_cfg, dpo_weights, run_torchrun  # fixtures come through conftest.py
 
 # ==================================================================================================
@@ -653,48 +652,8 @@ def test_figure_reads_the_runs_on_r_phi_from_the_kept_rows(tmp_path):
 
 
 # ==================================================================================================
-# study/explore.py: one label budget and one step budget, the contrasts, the decision rule
+# study/envelope.py's contrast intervals (study/explore.py's own tests: tests/test_explore.py)
 # ==================================================================================================
-
-def test_explore_gives_the_four_dpo_arms_one_label_and_one_step_budget(tmp_path):
-    """400 pool pairs and 20 steps: offline DPO 400 pairs in 20 steps, iterative DPO 4 rounds of
-    100 pairs and 5 steps, online DPO 20 rounds of 20 pairs and one step; a budget that does not
-    split evenly is refused, never rounded."""
-    def pool(n):
-        os.makedirs(tmp_path / "task", exist_ok=True)
-        with open(tmp_path / "task/pairs_train.jsonl", "w") as f:
-            f.writelines(json.dumps(dict(prompt=f"p{i}", chosen="a", rejected="b")) + "\n"
-                         for i in range(n))
-    pool(400)
-    cfg = explore.Config(out_dir=str(tmp_path / "x"), task=str(tmp_path / "task"),
-                         regimes="default", seeds="1,2", dpo_steps=20, rounds=4)
-    cc = explore.explore_config(cfg, 400)
-    runs = compare.sweep(cc, compare.regimes(cc)[0])
-    arms = {}
-    for name, stage, c in runs:
-        arms.setdefault((stage.__name__, getattr(c, "reward", "")), []).append(
-            (c.seed, explore.budgets(stage, c, 400)))
-    assert sorted(arms) == [("dpo", ""), ("iterative_dpo", ""), ("online_dpo", "model"),
-                            ("online_dpo", "oracle"), ("ppo", "model"), ("ppo", "true")]
-    assert arms[("dpo", "")] == [(1, ("400 pairs", 20)), (2, ("400 pairs", 20))]
-    # iterative DPO twice a seed: plain, and the remedy row with dpo.py's NLL term
-    assert {b for _, b in arms[("iterative_dpo", "")]} == {("4 × 100 pairs", 20)}
-    its = [(n.split("/")[-1], c.rpo_alpha) for n, stage, c in runs if stage is iterative_dpo]
-    assert sorted(its) == sorted((f"iterative-{t}beta0.1-lr0.001-seed{s}", a)
-                                 for t, a in (("", 0.0), ("nll1-", 1.0)) for s in (1, 2))
-    assert {b for k in ("model", "oracle") for _, b in arms[("online_dpo", k)]} == {
-        ("20 × 20 pairs", 20)}
-    # one β for every arm (PPO's KL coefficient), every run scored on the task's test prompts
-    assert {getattr(c, "beta", getattr(c, "kl_coef", None)) for _, _, c in runs} == {0.1}
-    assert {c.test_prompts for _, _, c in runs} == {f"{tmp_path}/task/prompts_test.jsonl"}
-    with pytest.raises(SystemExit, match="400 pairs do not split evenly into --dpo_steps 30"):
-        explore.explore_config(replace(cfg, dpo_steps=30), 400)
-    with pytest.raises(SystemExit, match="--dpo_steps 20 is not divisible by --iterative_rounds 3"):
-        compare.sweep(replace(cc, iterative_rounds=3), compare.regimes(cc)[0])
-    pool(402)
-    with pytest.raises(SystemExit, match="402 pairs do not split evenly into --iterative_rounds 4"):
-        compare.sweep(cc, compare.regimes(cc)[0])
-
 
 def test_contrast_intervals_two_groups_are_welch_and_four_by_hand():
     xs, ys = [1.0, 2.0, 3.0, 6.0], [0.0, 1.0, 1.0, 2.0]
@@ -709,46 +668,3 @@ def test_contrast_intervals_two_groups_are_welch_and_four_by_hand():
     assert 2.306 < half / math.sqrt(25 / 6) < 2.365  # t's 97.5% point between 8 and 7 d.o.f.
     assert envelope.contrast_interval([(1, a), (-1, [2.0])]) == (1.0, None, None)
     assert envelope.contrast_interval([(1, [2.0, 2.0]), (-1, [1.0, 1.0])]) == (1.0, 1.0, 1.0)
-
-
-def test_the_decision_rule_reaches_each_of_its_four_verdicts():
-    up, zero, down, none = (1, 0.5, 1.5), (0, -1, 1), (-1, -1.5, -0.5), (0, None, None)
-    it, on = explore.EXPLORERS
-
-    def rule(unseen, default, did):
-        return explore.verdict({"unseen": dict(zip((it, on), unseen)),
-                                "default": dict(zip((it, on), default))},
-                               dict(zip((it, on), did)))
-    assert rule((up, up), (zero, up), (up, up)).startswith("exploration:")
-    # one arm's gain in the unseen regime short of the other's: not the rule's "both"
-    assert rule((up, zero), (zero, zero), (up, zero)).startswith("mixed: ")
-    assert rule((up, zero), (up, zero), (zero, zero)).startswith("not exploration:")
-    # a gain in the unseen regime alone whose DiD holds 0 is neither: the rule reports it arm by arm
-    assert rule((up, zero), (zero, zero), (zero, zero)).startswith("mixed: ")
-    assert rule((zero, none), (none, zero), (zero, none)).startswith("no measurable gain")
-    assert rule((up, down), (zero, down), (up, zero)) == (
-        f"mixed: {it}: unseen +, default 0, DiD +; {on}: unseen −, default −, DiD 0 "
-        "(+: above 0, −: below, 0: holds 0)")
-
-
-def test_explore_reads_iterative_dpo_round_by_round_by_hand(tmp_path):
-    rows = []
-    for seed, (sampled, ended, longer, first) in enumerate(((2000, 0.5, 1, -10.0),
-                                                          (4000, 0.7, 0, -20.0))):
-        run = tmp_path / f"iterative-{seed}"
-        (run / "round1/dpo").mkdir(parents=True)
-        (run / "rounds.json").write_text(json.dumps({"rounds": [dict(
-            round=1, sampled=sampled, unfinished=sampled // 2, eos_rate=ended, kl=2.0 * (seed + 1),
-            true_reward=1.0)]}))
-        pair = dict(prompt="p", chosen="a b" if longer else "a", rejected="c")
-        (run / "round1/pairs.jsonl").write_text(
-            json.dumps(pair) + "\n" + json.dumps(dict(prompt="p", chosen="a", rejected="b c")))
-        (run / "round1/dpo/metrics.jsonl").write_text("\n".join(json.dumps(m) for m in (
-            {"logps/chosen": first}, {"val_loss": 0.5}, {"logps/chosen": first - 4})))
-        rows.append(dict(run=run.name, regime="default", method="iterative DPO"))
-    rows.append(dict(run="unseen/x", regime="unseen", method="iterative DPO"))
-    md = explore.by_round(rows, explore.Config(out_dir=str(tmp_path)))
-    # means over the two seeds; chosen longer in 1 of 2 pairs, then 0 of 2
-    assert md.splitlines()[-1] == ("| iterative DPO | 1 | 3,000 | 1,500 | 25.0% | -15.0 → -19.0 "
-                                   "| 60.0% | 3.00 | +1.00 |")
-    assert explore.by_round(rows[-1:], explore.Config(out_dir=str(tmp_path))) == ""
