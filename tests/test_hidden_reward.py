@@ -9,6 +9,7 @@ import json
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import data
@@ -253,6 +254,10 @@ def test_eval_reports_the_language_share_and_r_phi_score(tmp_path, monkeypatch):
     # r_φ reads 0.75 everywhere; the completion cut at the budget scores −3, as PPO's rule
     assert ev["reward_model_score"] == (0.75 * 3 - 3) / 4 and ev["ref_reward_model_score"] == 0.75
     assert (ev["pool_best"], ev["beyond_pool"], ev["ref_beyond_pool"]) == (2.0, 1 / 4, 0.0)
+    # the pool's two responses score −1 and +2: its 99th percentile −1 + 0.99 × 3 = 1.97, which
+    # the policy's +2 and +4 pass (2 of 4) and none of π_ref's (+0.5, 0) does
+    assert ev["pool_p99"] == pytest.approx(1.97)
+    assert (ev["beyond_pool_p99"], ev["ref_beyond_pool_p99"]) == (2 / 4, 0.0)
     # no r_φ in the config (DPO's), or one that reads another tokenizer: no score, no error
     del cfg.reward_model
     assert "reward_model_score" not in evaluate.evaluate_held_out(policy, ref, tok, cfg,
