@@ -77,6 +77,9 @@ class Config:
     nll_alpha: float = 1.0  # their α: the NLL of the chosen response, length-normalised (RPO)
     simpo_betas: str = ""  # SimPO runs (dpo.py --loss simpo): one per β × --dpo_lrs ("" = none)
     simpo_gamma: float = dpo.Config.simpo_gamma  # their target margin γ
+    # their peak learning rates ("": --dpo_lrs): SimPO's β scales a mean log-prob per token, so
+    # DPO's lr need not suit it (its paper tunes lr per model)
+    simpo_lrs: str = ""
     kl_coefs: str = "0.1,0.3"  # PPO runs with r_φ: one per KL coefficient × --ppo_lrs
     ppo_lrs: str = "1e-4"  # PPO's peak learning rates
     true_kl_coefs: str = ""  # PPO-GT runs (--reward true): one per KL coefficient ("" = none)
@@ -108,6 +111,9 @@ class Config:
     # validation prompts; a setting whose validation reward still rose over the rest of the budget
     # (the seeds' gains, 95% t-interval above 0) hit its budget, and the tables say so
     check_at: float = 0.75
+    # every run is scored on the validation prompts too, at the end and at --check_at (what the
+    # selection and the budget rule read); a study that selects nothing can skip both
+    validate: bool = True
     eval_k: int = dpo.Config.eval_k  # completions per held-out prompt, every run and π_ref alike
     match_kls: str = "1,2,4,6,8"  # KL values (nats) at which the methods' envelopes are compared
     curve_beta: float = 0.3  # DPO's learning curve: the first seed's run at this β (one of betas)
@@ -192,7 +198,8 @@ def sweep(cfg, R):
     t = lambda f: os.path.join(R["task"], f)  # noqa: E731
     seeds, p = seed_list(cfg), R["prefix"]
     o = lambda name: os.path.join(cfg.out_dir, p + name)  # noqa: E731
-    held_out = dict(val_prompts=t("prompts_val.jsonl"), test_prompts=t("prompts_test.jsonl"),
+    held_out = dict(val_prompts=t("prompts_val.jsonl") if cfg.validate else "",
+                    test_prompts=t("prompts_test.jsonl"),
                     eval_k=cfg.eval_k)
     dpos = [(b, 0.0) for b in floats(cfg.betas)] + [(b, cfg.nll_alpha)
                                                     for b in floats(cfg.nll_betas)]
@@ -206,7 +213,8 @@ def sweep(cfg, R):
         out_dir=o(n), ref_model=R["sft"], train_pairs=t("pairs_train.jsonl"),
         val_pairs=t("pairs_val.jsonl"), loss="simpo", beta=b, simpo_gamma=cfg.simpo_gamma,
         steps=cfg.dpo_steps, lr=lr, seed=s, reward_model=R["reward_model"], **held_out))
-        for b in floats(cfg.simpo_betas) for lr in floats(cfg.dpo_lrs) for s in seeds
+        for b in floats(cfg.simpo_betas) for lr in floats(cfg.simpo_lrs or cfg.dpo_lrs)
+        for s in seeds
         for n in [f"simpo-beta{b:g}-gamma{cfg.simpo_gamma:g}-lr{lr:g}-seed{s}"]]
     for rw in [w.strip() for w in cfg.online_rewards.split(",") if w.strip()]:
         check(rw in ("model", "oracle", "true"), f"--online_rewards {cfg.online_rewards!r}: "
@@ -510,7 +518,7 @@ def frontier(cfg, Rs, d, say, runs_of=None):
         else:  # the budget rule's checkpoint, scored on the validation prompts
             check_step = max(1, round(cfg.check_at * (c.steps if stage is dpo else c.iterations)))
             train_in_chunks(stage, c, cfg.curve_points if curve else 1, d, resume, test=curve,
-                            val_at=check_step)
+                            val_at=check_step if cfg.validate else None)
         wall = time.time() - t1
         trained, spent = trained + (stage is not None), spent + wall * (stage is not None)
         if d.is_main:
@@ -533,7 +541,7 @@ def frontier(cfg, Rs, d, say, runs_of=None):
                          simpo_gamma=c.simpo_gamma if stage is dpo and c.loss == "simpo" else "",
                          kl_coef=c.kl_coef if stage in (ppo, grpo) else "",
                          lr=c.lr if stage else "", seed=c.seed if stage else "", **ev_fields(ev),
-                         **{f"val_{k}": ev["val"].get(k)
+                         **{f"val_{k}": ev.get("val", {}).get(k)
                             for k in ("kl", "true_reward", "eos_rate")},
                          check_val_true_reward=check_point.get("true_reward"),
                          wall_s=run.get("wall_s")))

@@ -95,7 +95,8 @@ def explore_config(cfg, n_pool):
         true_kl_coefs="", online_betas=b, online_rewards="oracle", online_lr=cfg.lr,
         online_batch=n_pool // cfg.steps,
         regimes=cfg.regimes, seeds=cfg.seeds, dpo_steps=cfg.steps, online_iterations=cfg.steps,
-        eval_k=cfg.eval_k, curve_points=0, costs=False, keep=cfg.keep, results="")
+        eval_k=cfg.eval_k, curve_points=0, costs=False, keep=cfg.keep, results="",
+        validate=False)  # nothing is selected: every arm's settings are fixed above
 
 
 def arms(cc, R):

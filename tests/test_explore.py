@@ -55,6 +55,8 @@ def test_the_four_arms_differ_one_thing_at_a_time(tmp_path):
         names = [n for n, _, _ in runs]
         assert names.index(by["replay"][seed][0]) > names.index(by["online DPO (oracle)"][seed][0])
         assert len({c.out_dir for _, _, c in runs}) == len(runs)
+    # nothing is selected on validation: no run spends an evaluation there
+    assert {c.val_prompts for _, _, c in runs} == {""} and not cc.validate
     with pytest.raises(SystemExit, match="400 pairs do not split evenly into --steps 30"):
         explore.explore_config(explore.Config(steps=30), 400)
 
