@@ -1,5 +1,6 @@
 """What each job costs, measured side by side at π_ref's size and extrapolated to 7B: the models
-each training job holds and their bytes, the FLOPs of each phase (per padded position, per real
+each training job (PPO, GRPO, online DPO, iterative DPO, DPO with a live or a cached π_ref, SimPO
+with none) holds and their bytes, the FLOPs of each phase (per padded position, per real
 token, per example), the wall time and utilisation of the real loops (in interleaved rounds: a busy
 machine slows every job alike, so the ratios hold), and the one-time precompute with its payback in
 FLOPs and in time. The analytic functions are checked here against the tensors' bytes and torch's
@@ -12,6 +13,7 @@ FLOP counter, then evaluated for a Llama-2-7B-sized GPT on 8 GPUs.
 """
 import copy
 import gc
+import glob
 import json
 import os
 import statistics
@@ -35,7 +37,7 @@ from checkpoint import tokenizer_beside
 from meter import count_flops, estimate_flops, generate_flops
 from model import (IGNORE, GPT, GPTConfig, generate, load_model, pair_logps, score_at_last,
                    sequence_logprobs)
-from plumbing import adamw, all_reduce_sum, init_distributed, parse_config, teardown, wrap
+from plumbing import adamw, all_reduce_sum, check, init_distributed, parse_config, teardown, wrap
 from study.results import flags, launcher, write_section
 
 # -----------------------------------------------------------------------------
@@ -68,13 +70,13 @@ def state_bytes(c, trainable, w=4, world=1, shard="ddp"):
     return {**s, "total": sum(s.values())}
 
 
-def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0, share=0.0):
+def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0, share=0.0, sampling=0.0):
     """FLOPs of one iteration of `job` by phase, as the loops run it (hardware FLOPs: padding
     included); c: the policy's GPTConfig (critic and r_φ are the same transformer with a one-unit
     head). K: the positions with a target, where the LM head runs (model.sequence_logprobs).
-      dpo_cache, dpo_live: B pairs, (2B, T) rows [chosen; rejected] with K response tokens: the
-          policy's forward and backward, and (live) π_ref's forward; the cache's reference is a
-          lookup
+      dpo_cache, dpo_live, simpo: B pairs, (2B, T) rows [chosen; rejected] with K response tokens:
+          the policy's forward and backward, and (live) π_ref's forward; the cache's reference is
+          a lookup, and SimPO's loss has none
       ppo: B rollouts of T columns, P of them prompt, K sampled tokens: the rollout engine samples
           them (KV cache), r_φ scores, policy (old log-probs), π_ref and critic run forward,
           `epochs` passes of forward + backward update (here over the whole (B, T) batch; ppo.py
@@ -85,11 +87,12 @@ def iteration_flops(c, job, B, T, K, P=0, epochs=4, L=0, share=0.0):
           rollout engine samples (2B, L) rows, P columns of them prompt (KV cache), r_φ scores
           them, then dpo_live's work on the B labelled pairs, (2B, T) rows with K targets.
       iterative_dpo: one dpo.py step on B pairs the policy sampled (online DPO's shapes), and its
-          `share` of the round's batch jobs: sampling and π_ref's precompute of share·B pairs
-          (a round samples --pairs for --steps steps of B: share = pairs / (steps·B))."""
+          share of the round's batch jobs: two completions of each of sampling·B prompts, and
+          π_ref's precompute of share·B pairs (a round of --pairs pairs for --steps steps of B:
+          share = pairs / (steps·B); it samples --pairs prompts or more: round_share)."""
     f, s = estimate_flops, replace(c, head="scalar")
     if job == "iterative_dpo":
-        return {"rollout": share * generate_flops(c, 2 * B, P, L - P),
+        return {"rollout": sampling * generate_flops(c, 2 * B, P, L - P),
                 "precompute": share * f(c, 2 * B, T, outputs=K),
                 "policy": f(c, 2 * B, T, backward=True, outputs=K)}
     if job == "online_dpo":
@@ -120,18 +123,63 @@ JOBS = {  # what each training job holds: (model, head, trains)
     # frozen) run between rounds as batch jobs, each alone on the machine
     "iterative_dpo": [("policy", "lm", True)],
     "dpo_live": [("policy", "lm", True), ("reference", "lm", False)],
-    "dpo_cache": [("policy", "lm", True)]}
+    "dpo_cache": [("policy", "lm", True)],
+    # its loss has no π_ref: no reference model, no cache
+    "simpo": [("policy", "lm", True)]}
 LABEL = {"ppo": "PPO", "grpo": "GRPO", "online_dpo": "online DPO",
          "iterative_dpo": "iterative DPO", "dpo_live": "DPO, live π_ref",
-         "dpo_cache": "DPO, cached log π_ref", "precompute": "precompute (once)"}
+         "dpo_cache": "DPO, cached log π_ref", "simpo": "SimPO (no π_ref)",
+         "precompute": "precompute (once)"}
 IT = iterative_dpo.Config  # iterative DPO's defaults: the round its cost row shares
-# the share of a round's sampling and precompute one of its steps carries: pairs / (steps · B)
-ITERATIVE_SHARE = IT.pairs / (IT.steps * IT.batch_size)
 # The 7B extrapolation: a GPT with Llama-2-7B's depth, width, heads and vocabulary (bias-free, tied
 # embeddings: 6.58B parameters against Llama's 6.74B, whose SwiGLU MLP has 3x11008 columns to our
 # 2x16384). Every sequence: prompt_len prompt tokens + the rest response, no padding.
 BIG = dict(n_layer=32, n_head=32, n_embd=4096, vocab_size=32000, seq_len=512, prompt_len=256,
            gpus=8, weight_bytes=2, pairs=60_000, batch_pairs=64, ppo_epochs=4)
+
+
+def round_share(n):
+    """The share of n prompts (or pairs) handled once per iterative DPO round that one of its
+    steps carries, in units of the step's batch: n / (steps · B)."""
+    return n / (IT.steps * IT.batch_size)
+
+
+# the share of a round's precompute one step carries (its pairs), and of its sampling when the
+# round samples no more prompts than it keeps pairs
+ITERATIVE_SHARE = round_share(IT.pairs)
+
+
+def cache_bytes(job, n_pairs, n_val):
+    """Bytes of the log π_ref cache a job reads, 2 fp32 a pair: the pool's n_pairs (train and
+    val), or a round's pairs and the n_val val pairs (iterative DPO); the rest read none."""
+    return 8 * {"dpo_cache": n_pairs, "iterative_dpo": IT.pairs + n_val}.get(job, 0)
+
+
+def iterative_sampled(runs):
+    """Prompts sampled per round by iterative_dpo.py's runs, as run: runs, comma-separated
+    folders or globs of them, each holding a rounds.json; returns the mean of "sampled" over every
+    round they finished, the files and the rounds read. A round samples batches of --pairs
+    prompts, two completions each, until it holds --pairs pairs: a pair with an unfinished, empty
+    or identical completion is skipped, and a round short of pairs samples a whole batch more
+    (iterative_dpo.MAX_BATCHES). No runs: the nominal round, IT.pairs prompts."""
+    files = []
+    for pattern in [r.strip() for r in runs.split(",") if r.strip()]:
+        found = sorted(glob.glob(os.path.join(pattern, "rounds.json")))
+        check(found, f"--iterative_runs: no rounds.json in {pattern}")
+        files += found
+    sampled = []
+    for path in files:
+        with open(path) as f:
+            state = json.load(f)
+        got = {k: state["config"][k] for k in ("pairs", "steps", "batch_size")}
+        want = {k: getattr(IT, k) for k in got}
+        check(got == want, f"--iterative_runs: {path} ran rounds of {got}; the cost row is "
+              f"iterative_dpo.py's default round, {want}")
+        sampled += [r["sampled"] for r in state["rounds"]]
+    check(sampled or not files, f"--iterative_runs: no finished round in {', '.join(files)}")
+    return dict(sampled=statistics.mean(sampled) if sampled else IT.pairs, runs=files,
+                rounds=len(sampled))
+
 
 # -----------------------------------------------------------------------------
 # Measuring at π_ref's size
@@ -230,14 +278,15 @@ def layouts(task_dir, sft):
             for job, (padded, packed, n) in jobs.items()}
 
 
-def measure_small(cfg, d, B=32):
+def measure_small(cfg, d, B=32, sampled=IT.pairs):
     """One iteration's model work of each job at π_ref's size on real pairs and prompts, with the
     calls the loops make (model.generate, model.pair_logps, forward + backward, an AdamW step).
-    DPO's batch is the first micro-batch of dpo.py's first step (by length), PPO's the first B
-    prompts, online DPO's two completions of each of them, GRPO's group_size completions of each
-    of the first B / group_size. Returns the GPTConfig, the FLOPs counted by phase, the shapes
-    iteration_flops needs, the units (padded positions, real tokens, examples) and per model (the
-    bytes its tensors hold, bytes per weight)."""
+    DPO's (and SimPO's) batch is the first micro-batch of dpo.py's first step (by length), PPO's
+    the first B prompts, online DPO's two completions of each of them, GRPO's group_size
+    completions of each of the first B / group_size; iterative DPO's round samples `sampled`
+    prompts. Returns the GPTConfig, the FLOPs counted by phase, the shapes iteration_flops needs,
+    the units (padded positions, real tokens, examples) and per model (the bytes its tensors hold,
+    bytes per weight)."""
     tok = data.load_tokenizer(tokenizer_beside(cfg.sft, "--sft"))
     frozen = lambda m: m.eval().requires_grad_(False)  # noqa: E731
     policy, ref = load_model(cfg.sft, d.device)[0].eval(), frozen(load_model(cfg.sft, d.device)[0])
@@ -309,8 +358,10 @@ def measure_small(cfg, d, B=32):
                             "policy": f_o_pol},
              "dpo_live": {"policy": f_policy, "reference": f_ref},
              "dpo_cache": {"policy": f_policy, "reference": 0},
+             # SimPO's step: the same forward and backward of the pairs, no π_ref at all
+             "simpo": {"policy": f_policy, "reference": 0},
              # the same sampled pairs trained by dpo.py; the round's work counted, then shared
-             "iterative_dpo": {"rollout": ITERATIVE_SHARE * f_o_roll,
+             "iterative_dpo": {"rollout": round_share(sampled) * f_o_roll,
                                "precompute": ITERATIVE_SHARE * f_o_ref, "policy": f_o_pol}}
     K_dpo, K_ppo = int((y != IGNORE).sum()), int(out["response_mask"].sum())
     shapes = {"ppo": dict(B=B, T=t.shape[1], K=K_ppo, P=P, epochs=ppo.Config.ppo_epochs),
@@ -319,14 +370,16 @@ def measure_small(cfg, d, B=32):
               **{job: dict(B=B, T=xo.shape[1], K=int((yo != IGNORE).sum()), P=P,
                            L=on["tokens"].shape[1], **extra)
                  for job, extra in (("online_dpo", {}),
-                                    ("iterative_dpo", dict(share=ITERATIVE_SHARE)))},
-              **{job: dict(B=B, T=x.shape[1], K=K_dpo) for job in ("dpo_live", "dpo_cache")}}
+                                    ("iterative_dpo", dict(share=ITERATIVE_SHARE,
+                                                           sampling=round_share(sampled))))},
+              **{job: dict(B=B, T=x.shape[1], K=K_dpo)
+                 for job in ("dpo_live", "dpo_cache", "simpo")}}
     dpo_units = dict(positions=x.numel(), tokens=int((x != tok.pad).sum()), examples=B)
     on_units = dict(positions=xo.numel(), tokens=int((xo != tok.pad).sum()), examples=B)
     units = {"ppo": dict(positions=t.numel(), tokens=int(m.sum()), examples=B),
              "grpo": dict(positions=tq.numel(), tokens=int(mq.sum()), examples=len(gp)),
              "online_dpo": on_units, "dpo_live": dpo_units, "dpo_cache": dpo_units,
-             "iterative_dpo": on_units}
+             "simpo": dpo_units, "iterative_dpo": on_units}
     models = {"policy": (policy, opts[0]), "critic": (critic, opts[1]), "reference": (ref, None),
               "reward model": (rm, None), "rollout copy": (rollout, None)}
     held = {k: (measured_bytes(mod, o), next(mod.parameters()).element_size())
@@ -362,10 +415,10 @@ def precompute_payback(cfg, d, cache_dir):
 
 def timed_runs(cfg, d, say):
     """Wall time of the real loops at their default sizes, interleaved: each round runs a few
-    iterations of PPO and GRPO and rounds of online DPO, DPO steps with the live reference and
-    with the cache (stopped before they evaluate), and the whole precompute. Per round and job:
-    the median step (the first warms up, dropped), its phases and tokens/s from the stage's
-    metrics.jsonl, and on CUDA the peak memory allocated."""
+    iterations of PPO and GRPO and rounds of online DPO, dpo.py's steps with the live reference,
+    with the cache and under SimPO's loss (no reference; stopped before they evaluate), and the
+    whole precompute. Per round and job: the median step (the first warms up, dropped), its phases
+    and tokens/s from the stage's metrics.jsonl, and on CUDA the peak memory allocated."""
     root, n = os.path.join(cfg.out_dir, "timing"), cfg.time_steps
     t = lambda f: os.path.join(cfg.task, f)  # noqa: E731
     dc = dict(ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
@@ -380,6 +433,9 @@ def timed_runs(cfg, d, say):
             "dpo_live": lambda: dpo.main(dpo.Config(out_dir=f"{root}/dpo_live", ref="live", **dc)),
             "dpo_cache": lambda: dpo.main(dpo.Config(out_dir=f"{root}/dpo_cache", ref="cache",
                                                      **dc)),
+            # SimPO's β: its paper's (dpo.Config's comment); the cost is the same at any β
+            "simpo": lambda: dpo.main(dpo.Config(out_dir=f"{root}/simpo", loss="simpo", beta=2,
+                                                 **dc)),
             "precompute": lambda: precompute.main(precompute.Config(
                 out_dir=f"{root}/ref_logps", ref_model=cfg.sft, train_pairs=t("pairs_train.jsonl"),
                 val_pairs=t("pairs_val.jsonl")))}
@@ -414,22 +470,32 @@ def timed_runs(cfg, d, say):
     return rounds
 
 
+def iterative_step(r, sampled, n_pairs):
+    """Iterative DPO's step in timing round r (ms), composed of the measured parts it runs: the
+    cached DPO step, and its share of its round's batch jobs: two completions of each of
+    sampled / steps prompts at online DPO's rollout time per prompt, and the precompute of
+    pairs / steps pairs at the precompute's time per pair (of n_pairs)."""
+    ph = dict(sampling=sampled / IT.steps * r["online_dpo"]["phases"]["rollout"]
+              / online_dpo.Config.rollout_batch,
+              precompute=IT.pairs / IT.steps * r["precompute"]["ms"] / n_pairs,
+              step=r["dpo_cache"]["ms"])
+    return {"ms": sum(ph.values()), "phases": ph}
+
+
 def costs(cfg, d, say):
     """Everything at π_ref's size, analytic beside measured, and the 7B extrapolation: costs.json's
-    dict."""
+    dict. Iterative DPO's rounds sample the prompts cfg.iterative_runs' rounds sampled (none
+    given: the nominal IT.pairs)."""
+    it = iterative_sampled(cfg.iterative_runs)
     say("[costs] counting the FLOPs and bytes of one iteration of each job at π_ref's size")
-    c, flops, shapes, units, models = measure_small(cfg, d)
+    c, flops, shapes, units, models = measure_small(cfg, d, sampled=it["sampled"])
     n_val = len(data.read_pairs(f"{cfg.task}/pairs_val.jsonl"))
     n_pairs = n_val + len(data.read_pairs(f"{cfg.task}/pairs_train.jsonl"))
     rounds = timed_runs(cfg, d, say)
     if not d.is_main:
         return None
-    for r in rounds:  # iterative DPO's step, composed of the measured parts it runs
-        pairs = ITERATIVE_SHARE * IT.batch_size  # sampled and precomputed per step of the round
-        ph = dict(sampling=pairs * r["online_dpo"]["phases"]["rollout"]
-                  / online_dpo.Config.rollout_batch,
-                  precompute=pairs * r["precompute"]["ms"] / n_pairs, step=r["dpo_cache"]["ms"])
-        r["iterative_dpo"] = {"ms": sum(ph.values()), "phases": ph}
+    for r in rounds:
+        r["iterative_dpo"] = iterative_step(r, it["sampled"], n_pairs)
     res = {"model": asdict(c), "params": n_params(c)[0], "device": str(d.device), "world": d.world,
            "threads": torch.get_num_threads(), "n_pairs": n_pairs, "jobs": {}, "rounds": rounds}
     for job, held in JOBS.items():
@@ -438,9 +504,7 @@ def costs(cfg, d, say):
                 for k, h, tr in held}
         peak = [r[job]["peak_bytes"] for r in rounds if "peak_bytes" in r[job]]
         res["jobs"][job] = dict(
-            # 2 fp32 a pair: the pool's, or a round's pairs (and the val pairs)
-            models=mods, cache_bytes=8 * {"dpo_cache": n_pairs, "iterative_dpo": IT.pairs + n_val
-                                          }.get(job, 0),
+            models=mods, cache_bytes=cache_bytes(job, n_pairs, n_val),
             flops_analytic=iteration_flops(c, job, **shapes[job]), flops_counted=flops[job],
             units=units[job], peak_bytes=max(peak, default=None),
             **{f"bytes_{k}": {s: sum(m[k][s] for m in mods.values()) for s in mods["policy"][k]}
@@ -459,12 +523,28 @@ def costs(cfg, d, say):
                                / max(r["dpo_live"]["ms"] - r["dpo_cache"]["ms"], 1e-9))
     res["payback_flops"] = precompute_payback(cfg, d, f"{cfg.out_dir}/timing/ref_logps")
     res["layouts"] = layouts(cfg.task, cfg.sft)
-    return {**res, "at_7b": at_7b()}
+    # iterative DPO's row at the nominal round and as run, side by side: wall, FLOPs per real
+    # token, FLOPs per token at 7B, each against cached DPO's
+    per_token = lambda fl, job: sum(fl.values()) / units[job]["tokens"]  # noqa: E731
+    cached = per_token(flops["dpo_cache"], "dpo_cache")
+    for k, n in (("nominal", IT.pairs), ("as_run", it["sampled"])):
+        fl = iteration_flops(c, "iterative_dpo", **{**shapes["iterative_dpo"],
+                                                    "sampling": round_share(n)})
+        big = at_7b(sampled=n)["jobs"]
+        it[k] = dict(sampled=n, ms=med(lambda r: iterative_step(r, n, n_pairs)["ms"]),
+                     per_dpo_cached=med(lambda r: iterative_step(r, n, n_pairs)["ms"]
+                                        / r["dpo_cache"]["ms"]),
+                     flops_per_dpo_cached=per_token(fl, "iterative_dpo") / cached,
+                     flops_per_dpo_cached_7b=big["iterative_dpo"]["flops_per_token"]
+                     / big["dpo_cache"]["flops_per_token"])
+    res["iterative"] = it
+    return {**res, "at_7b": at_7b(sampled=it["sampled"])}
 
 
-def at_7b(a=BIG):
+def at_7b(a=BIG, sampled=IT.pairs):
     """The same analytic functions at a Llama-2-7B-sized GPT: bytes per GPU under DDP, ZeRO-1 and
-    FSDP, FLOPs per token, and the steps after which the precompute has paid for itself."""
+    FSDP, FLOPs per token, and the steps after which the precompute has paid for itself; iterative
+    DPO's rounds sample `sampled` prompts."""
     big = GPTConfig(block_size=a["seq_len"], vocab_size=a["vocab_size"], n_layer=a["n_layer"],
                     n_head=a["n_head"], n_embd=a["n_embd"], bias=False)
     res = {"assumptions": a, "params": n_params(big)[0], "jobs": {}}
@@ -472,7 +552,7 @@ def at_7b(a=BIG):
     for job, held in JOBS.items():
         rows = 1 if job in ("ppo", "grpo") else 2  # a rollout, or a pair's [chosen; rejected]
         fl = iteration_flops(big, job, 1, T, rows * (T - P), P, a["ppo_epochs"], L=T,
-                             share=ITERATIVE_SHARE)
+                             share=ITERATIVE_SHARE, sampling=round_share(sampled))
         gpu = {sh: sum(state_bytes(replace(big, head=h), tr, a["weight_bytes"], a["gpus"],
                                    sh)["total"] for _, h, tr in held)
                for sh in ("ddp", "zero1", "fsdp")}
@@ -537,6 +617,7 @@ def costs_markdown(res, cfg):
               "iterative_dpo": (IT.batch_size, "pairs"),
               "dpo_live": (dpo.Config.batch_size, "pairs"),
               "dpo_cache": (dpo.Config.batch_size, "pairs"),
+              "simpo": (dpo.Config.batch_size, "pairs"),
               "precompute": (res["n_pairs"], "pairs (train + val)")}
     for job, (n, unit) in per_ex.items():
         t = J[job]["time"]
@@ -561,6 +642,17 @@ def costs_markdown(res, cfg):
             f"{r['flops_per_token'] / B['dpo_cache']['flops_per_token']:.1f}×"]
            for job, r in B.items()]
     gflop = lambda k: f"{pb[k] / 1e9:,.2f} GFLOP"  # noqa: E731
+    it, given = res["iterative"], "rounds.json given to study.compare --iterative_runs"
+    source = (f"as run: the mean of the {it['rounds']} rounds of the runs named under the wall "
+              "times" if it["runs"] else f"assumed nominal: no {given}")
+    cost = lambda v: (  # noqa: E731
+        f"{v['ms']:,.0f} ms and {v['per_dpo_cached']:.1f}× DPO cached's wall per step, "
+        f"{v['flops_per_dpo_cached']:.1f}× its FLOPs per real token, "
+        f"{v['flops_per_dpo_cached_7b']:.2f}× its FLOPs per token at 7B")
+    as_run = (f"as run ({it['sampled']:,.0f} prompts a round, the mean of the {it['rounds']} "
+              f"rounds in {', '.join(it['runs'])}): {cost(it['as_run'])}"
+              if it["runs"] else f"as run: not measured (no {given}), so every row above "
+              "assumes the nominal count")
     return "\n".join([
         f"## Costs at π_ref's size: {c.n_layer} layers × {c.n_embd} wide, vocabulary "
         f"{c.vocab_size}, block {c.block_size} ({res['params'] / 1e6:.2f}M parameters), "
@@ -574,7 +666,8 @@ def costs_markdown(res, cfg):
         "run, on a GPU; the CPU keeps no allocator statistics, so there only the model state is "
         "known (activations come on top). Iterative DPO's training job is dpo.py's, the policy "
         "alone, its cache a round's pairs and the val pairs; between rounds a batch job samples "
-        "from the policy (frozen), then the precompute reads π_ref (frozen), one at a time.", "",
+        "from the policy (frozen), then the precompute reads π_ref (frozen), one at a time. "
+        "SimPO's job holds the policy alone and reads no cache: its loss has no π_ref.", "",
         "### What a token costs (FLOPs of one iteration at real shapes; ✓ = torch's "
         "FlopCounterMode counts the same, its CPU attention kernels mapped to torch's own "
         "formulas by meter.count_flops)", "",
@@ -594,13 +687,17 @@ def costs_markdown(res, cfg):
         "cache, r_φ scores all 2B, and the labelled pairs go through π_ref and the policy as in "
         f"live DPO. PPO against cached DPO: {ratios('ppo')}; GRPO against cached DPO: "
         f"{ratios('grpo')}; online DPO against cached DPO: {ratios('online_dpo')}; iterative "
-        f"DPO against cached DPO: {ratios('iterative_dpo')}. "
-        "Iterative DPO's step is dpo.py's on pairs the policy sampled (so online DPO's pair "
-        f"shapes), plus its share, {ITERATIVE_SHARE:g} = {IT.pairs} / ({IT.steps} × "
-        f"{IT.batch_size}), of its round's sampling and precompute: online DPO's rollout and "
-        "π_ref forward on the same pairs, counted and scaled by that share. A round whose "
-        "completions do not end samples more prompts for its pairs (iterative_dpo.MAX_BATCHES): "
-        "that is not counted here.", "",
+        f"DPO against cached DPO: {ratios('iterative_dpo')}; SimPO against cached DPO: "
+        f"{ratios('simpo')}. Iterative DPO's step is dpo.py's on pairs the policy sampled (so "
+        "online DPO's pair shapes), plus its share of its round's batch jobs, online DPO's "
+        "rollout and π_ref forward on the same pairs, counted and scaled: the precompute's "
+        f"{ITERATIVE_SHARE:g} = {IT.pairs:,} pairs / ({IT.steps} × {IT.batch_size}), the "
+        f"sampling's {round_share(it['sampled']):.4g} = {it['sampled']:,.0f} prompts / "
+        f"({IT.steps} × {IT.batch_size}), two completions each ({source}). A round samples "
+        f"batches of {IT.pairs:,} prompts until it holds {IT.pairs:,} pairs, a pair with an "
+        "unfinished, empty or identical completion skipped (iterative_dpo.MAX_BATCHES). "
+        "SimPO's step is cached DPO's forward and backward of the pairs, with no reference to "
+        "look up.", "",
         layout_table(res["layouts"]), "",
         f"### Wall time of the real loops (median of {cfg.rounds} interleaved rounds, "
         f"{cfg.time_steps - 1} timed steps each)", "",
@@ -611,10 +708,13 @@ def costs_markdown(res, cfg):
         "second, over the device's matmul peak measured at the model's own shapes "
         "(meter.measure_peak_flops). HFU: the FLOPs actually executed (padding, full "
         "attention, recomputed scores included; meter.estimate_flops) over the same peak. "
-        "MFU <= HFU <= 1. Iterative DPO's row is composed of measured ones, not timed alone: "
-        f"the cached DPO step plus its {ITERATIVE_SHARE * IT.batch_size:g} pairs' share of a "
-        "round, at online DPO's rollout time per pair (sampling) and the precompute's time per "
-        "pair.", "",
+        "MFU <= HFU <= 1. SimPO's row is its own dpo.py run (--loss simpo). Iterative DPO's "
+        "row is composed of measured ones, not timed alone: the cached DPO step plus its share "
+        f"of a round, {it['sampled'] / IT.steps:,.4g} prompts' two completions at online DPO's "
+        f"rollout time per prompt (sampling) and {IT.pairs / IT.steps:g} pairs at the "
+        "precompute's time per pair.", "",
+        f"Iterative DPO nominal ({IT.pairs:,} prompts a round): {cost(it['nominal'])}; "
+        f"{as_run}.", "",
         f"The precompute ran π_ref once over the pairs: {gflop('precompute_train')} for the "
         f"train pairs and {gflop('precompute_val')} for the val pairs, counted on its real "
         f"batches. A live reference runs {gflop('live_per_step')} per step on the train pairs "
@@ -647,7 +747,8 @@ def costs_markdown(res, cfg):
         f"a step costs {B['dpo_cache']['flops_per_token'] / B['dpo_live']['flops_per_token']:.0%} "
         f"of a live one's FLOPs, and π_ref's {size(2 * res['at_7b']['params'])} of bf16 weights "
         "leave each GPU under DDP and ZeRO-1; under FSDP a GPU held only its shard of them "
-        "(the FSDP column's live and cached rows)."])
+        "(the FSDP column's live and cached rows). SimPO's job holds what cached DPO's does "
+        "and runs the same FLOPs, with no precompute before it."])
 
 
 @dataclass
