@@ -121,8 +121,11 @@ class Config:
     curve_points: int = 4  # evaluations along each learning curve (0 = no curves)
     frontier: bool = True  # train the sweep, write frontier.* and curves.*
     costs: bool = True  # measure the costs, write costs.*
-    rounds: int = 3  # interleaved timing rounds, each: PPO, DPO live, DPO cached, precompute
+    rounds: int = 3  # interleaved timing rounds, each: every job's run once, the precompute
     time_steps: int = 4  # iterations (PPO) or steps (DPO) per timed run; the first warms up
+    # iterative_dpo.py output folders (comma-separated, globs allowed) whose rounds.json give the
+    # prompts each round sampled, for the costs' iterative DPO row ("": the nominal --pairs a round)
+    iterative_runs: str = ""
     # a folder in the repository that keeps each finished run's records (run.json, eval.json,
     # curve.json) under <keep>/<out_dir's name>/<run>, and the π_ref and r_φ they were made from
     # under <keep>/inputs: committed, they let a sweep resume on another machine ("": none)

@@ -37,6 +37,8 @@ class Config:
     alphas: str = "0,1"  # rpo_alpha: 0 is plain DPO; 1 is Pang et al.'s α
     seeds: str = "1337,1338,1339"  # dpo.py's --seed (data order), 3 per point
     out_dir: str = "out/study-eos"  # a run per subfolder; a finished one is read, not rerun
+    # r_φ, read by each run's evaluation only (its score beside the true reward); missing: none
+    reward_model: str = "out/reward/model.safetensors"
     results: str = "RESULTS.md"  # its section "eos" gets the table ("": none)
 
 
@@ -63,7 +65,8 @@ def run(beta, alpha, seed, cfg, base):
     """One dpo.py run (base, dpo.py's defaults unless a test passes its own, with these three
     flags), or its finished folder; returns its row of numbers."""
     out = os.path.join(cfg.out_dir, f"beta{beta:g}-alpha{alpha:g}-seed{seed}")
-    dcfg = replace(base, out_dir=out, beta=beta, rpo_alpha=alpha, seed=seed)
+    dcfg = replace(base, out_dir=out, beta=beta, rpo_alpha=alpha, seed=seed,
+                   reward_model=cfg.reward_model if os.path.exists(cfg.reward_model) else "")
     if not os.path.exists(os.path.join(out, "eval.json")):
         dpo.main(dcfg)
     with open(os.path.join(out, "eval.json")) as f:
@@ -73,7 +76,8 @@ def run(beta, alpha, seed, cfg, base):
     tok = data.load_tokenizer(os.path.join(out, "tokenizer.json"))
     eos, n = eos_logprob(os.path.join(out, "model.safetensors"), dcfg.val_pairs, tok, dcfg)
     return {"eos_rate": ev["eos_rate"], "length": ev["response_len"],
-            "true_reward": ev["true_reward"], "kl": ev["kl"],
+            "true_reward": ev["true_reward"], "kl": ev["kl"], "in_language": ev["in_language"],
+            "rm": ev.get("reward_model_score"),
             "chosen_first": steps[0]["logps/chosen"], "chosen_last": steps[-1]["logps/chosen"],
             "rejected_first": steps[0]["logps/rejected"],
             "rejected_last": steps[-1]["logps/rejected"], "eos": eos, "eos_n": n}
@@ -92,15 +96,17 @@ def fmt(xs, digits=2):
 def main(cfg, base=dpo.Config()):
     t0 = time.time()
     seeds = [int(s) for s in cfg.seeds.split(",")]
-    rows = ["| β | rpo_alpha | EOS rate | length (tokens) | true reward | KL (nats) | "
-            "logps/chosen, step 1 → last | logps/rejected, step 1 → last | log π(EOS) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| β | rpo_alpha | EOS rate | length (tokens) | true reward | in language | r_φ "
+            "score | KL (nats) | logps/chosen, step 1 → last | logps/rejected, step 1 → last | "
+            "log π(EOS) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for beta in map(float, cfg.betas.split(",")):
         for alpha in map(float, cfg.alphas.split(",")):
             r = [run(beta, alpha, s, cfg, base) for s in seeds]
             col = lambda k: [x[k] for x in r]  # noqa: E731
             rows.append(f"| {beta:g} | {alpha:g} | {fmt(col('eos_rate'))} | "
                         f"{fmt(col('length'), 1)} | {fmt(col('true_reward'))} | "
+                        f"{fmt(col('in_language'))} | "
+                        + (fmt(col("rm")) if None not in col("rm") else "–") + " | "
                         f"{fmt(col('kl'), 1)} | {fmt(col('chosen_first'), 1)} → "
                         f"{fmt(col('chosen_last'), 1)} | {fmt(col('rejected_first'), 1)} → "
                         f"{fmt(col('rejected_last'), 1)} | {fmt(col('eos'))} |")
@@ -111,7 +117,9 @@ def main(cfg, base=dpo.Config()):
         rows + ["", f"Mean ± standard error over {len(seeds)} seeds (dpo.py's --seed: data order; "
                 f"π_ref and the task fixed), lr 1e-3, 200 steps. EOS rate, length, true reward and "
                 f"KL: evaluate.py on the held-out prompts (a completion without EOS scores −1 and "
-                f"is cut at the block). logps: the training batch's mean summed log-prob of the "
+                f"is cut at the block); in language: the share of completions that ended and are "
+                f"texts of the task's language; r_φ score: the reward model's mean score of them "
+                f"(–: no r_φ). logps: the training batch's mean summed log-prob of the "
                 f"chosen and the rejected responses, at step 1 (π = π_ref) and at the last step. "
                 f"log π(EOS): the mean log-prob of EOS at the end of the {r[0]['eos_n']} chosen "
                 f"val responses that keep it; π_ref gives {ref_eos:.2f} over {n_ref}."])

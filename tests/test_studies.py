@@ -577,11 +577,17 @@ def test_kv_cache_benchmark_checks_its_tokens_and_writes_its_line(tmp_path):
 def test_eos_study_reads_each_run_and_its_eos_logprob_by_hand(tiny, dpo_cache, tmp_path):
     base = dpo_cfg(tiny, "unused", steps=2, eval_k=1)
     cfg = eos.Config(betas="1", alphas="0,1", seeds="1,2", out_dir=str(tmp_path / "eos"),
-                     results=str(tmp_path / "RESULTS.md"))
+                     results=str(tmp_path / "RESULTS.md"), reward_model=str(tmp_path / "none"))
     eos.main(cfg, base)
     text = (tmp_path / "RESULTS.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 2 and rows[0].startswith("| 1 | 0 |") and rows[1].startswith("| 1 | 1 |")
+    # the in-language share beside the reward: the two seeds' mean (no r_φ here: "–")
+    evs = [json.loads((tmp_path / "eos" / f"beta1-alpha0-seed{s}" / "eval.json").read_text())
+           for s in (1, 2)]
+    m = (evs[0]["in_language"] + evs[1]["in_language"]) / 2
+    assert rows[0].split(" | ")[5].startswith(f"{m:.2f} ± ") and rows[0].split(" | ")[6] == "–"
+    assert "| in language | r_φ score |" in text
     assert sorted(os.listdir(tmp_path / "eos")) == [f"beta1-alpha{a}-seed{s}" for a in (0, 1)
                                                    for s in (1, 2)]
     # log π(EOS) at the end of each chosen response, against one row at a time, by hand
