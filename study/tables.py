@@ -55,7 +55,8 @@ def write_csv(path, rows):
 
 
 KL_COEF_METHODS = ("PPO", "PPO-GT", "GRPO")  # configured by a KL coefficient, not DPO's β
-METHODS = ("SimPO", "DPO", "DPO+NLL", "online DPO", "GRPO", "PPO", "PPO-GT")  # tables' order
+METHODS = ("SimPO", "DPO", "DPO+NLL", "iterative DPO+NLL", "online DPO", "GRPO", "PPO",
+           "PPO-GT")  # the tables' order: iterative DPO as it ships, with its NLL term
 
 
 J_METHODS = METHODS[1:]  # the methods with a KL coefficient β, J_β's
@@ -355,7 +356,7 @@ def write_tables(rows, curves, cfg):
         return md + "\n\n(no frontier.png, curves.png: matplotlib is not installed)", sections
     fig, ax = plt.subplots(figsize=(6, 4))
     groups = settings(rows)
-    for method, marker in zip(METHODS, "PoDv*s^"):
+    for method, marker in zip(METHODS, "PoDXv*s^"):
         pts = [(mean_se([r["kl"] for r in rs]), mean_se([r["true_reward"] for r in rs]))
                for (m, _), rs in groups.items() if m == method]
         if not pts:
