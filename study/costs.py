@@ -197,7 +197,7 @@ def measured_bytes(m, opt=None):
 
 
 def rank_state(c=GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64)):
-    """Under torchrun: what one trained GPT (π_ref's shape by default) holds on each rank after a
+    """Under torchrun: what one trained GPT of config c (main: π_ref's) holds on each rank after a
     backward and an AdamW step, wrapped by plumbing.wrap as the stages wrap it: DDP, then --fsdp.
     Returns {shard: {"ranks": [measured_bytes of each rank], "analytic": state_bytes}} (fp32:
     this is the CPU's training; state_bytes' 4 bytes per parameter). FSDP splits every tensor's
@@ -752,13 +752,14 @@ def costs_markdown(res, cfg):
 
 
 @dataclass
-class Config:  # `python -m study.costs`'s one flag; the cost tables are study.compare's
+class Config:  # `python -m study.costs`'s flags; the cost tables are study.compare's
+    sft: str = "out/sft/model.safetensors"  # π_ref, whose shape (vocabulary included) is measured
     results: str = "RESULTS.md"  # its section "fsdp" gets the table ("": none)
 
 
-def rank_state_markdown(res):
-    """rank_state's result as a table: per shard, the analytic bytes per rank, then each rank's."""
-    c = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64)  # rank_state's default
+def rank_state_markdown(res, c):
+    """rank_state's result for config c as a table: per shard, the analytic bytes per rank, then
+    each rank's."""
     body = []
     for shard, r in res.items():
         body.append([shard, "analytic (each)", *(f"{v:,.0f}" for v in r["analytic"].values())])
@@ -766,6 +767,7 @@ def rank_state_markdown(res):
     head = ["wrap", "rank", *(f"{k} bytes" for k in next(iter(res.values()))["analytic"])]
     return (f"## What one trained GPT holds on each rank: DDP against FSDP\n\n{table(head, body)}"
             f"\n\nπ_ref's shape ({c.n_layer} layers × {c.n_embd} wide, block {c.block_size}, "
+            f"vocabulary {c.vocab_size}, "
             f"{n_params(c)[0]:,} parameters), fp32, after a backward and an AdamW step, wrapped by "
             "plumbing.wrap as the stages wrap it, on "
             f"{len(next(iter(res.values()))['ranks'])} ranks. Analytic: state_bytes, which splits "
@@ -777,7 +779,10 @@ def main(cfg):
     """torchrun --nproc_per_node=2 -m study.costs: DDP's and FSDP's state per rank, printed, and
     on rank 0 the section "fsdp" of --results."""
     t0 = time.time()
-    res = rank_state()
+    check(os.path.exists(cfg.sft), f"{cfg.sft} does not exist: train π_ref first (python sft.py), "
+          "whose shape this measures")
+    c = load_model(cfg.sft)[0].config
+    res = rank_state(c)
     if int(os.environ.get("RANK", "0")) == 0:
         for shard, r in res.items():
             analytic = ", ".join(f"{k} {v:,.0f}" for k, v in r["analytic"].items())
@@ -787,7 +792,7 @@ def main(cfg):
         world = len(res["ddp"]["ranks"])
         device = "cuda" if torch.cuda.is_available() else "cpu"
         cmd = launcher(world) + " ".join(["-m study.costs"] + flags(cfg))
-        if write_section(cfg.results, "fsdp", rank_state_markdown(res), cmd,
+        if write_section(cfg.results, "fsdp", rank_state_markdown(res, c), cmd,
                          time.time() - t0, device, world):
             print(f"wrote the section fsdp of {cfg.results}")
         print(json.dumps(res))
