@@ -167,8 +167,14 @@ def test_the_replay_file_resumes_with_the_run_and_is_the_same_on_two_ranks(onlin
         f.write('{"step": 3, "prompt": "torn')
     online_dpo.main(online_dpo.Config(**{**split.__dict__, "stop_after": 0}))
     assert (root / "split" / "pairs.jsonl").read_text() == want
-    # two gloo ranks, each sampling half of every round: rank 0 writes all, in the batch's order
-    flags = [f"--{k}={v}" for k, v in {**cfg, "out_dir": root / "two"}.items()]
+    # two gloo ranks, each sampling half of every round: rank 0 writes all, in the batch's order.
+    # Oracle labels, which tie only identical completions: here no pair ties, so every round's
+    # rows come from both ranks' halves and their order shows
+    oracle = {**cfg, "reward": "oracle", "iterations": 2}
+    online_dpo.main(online_dpo.Config(out_dir=str(root / "one-oracle"), **oracle))
+    want = (root / "one-oracle" / "pairs.jsonl").read_text()
+    assert [r["step"] for r in map(json.loads, want.splitlines())] == [1] * 8 + [2] * 8
+    flags = [f"--{k}={v}" for k, v in {**oracle, "out_dir": root / "two"}.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                         "online_dpo.py", *flags], cwd=ROOT, env=env, capture_output=True,
