@@ -414,6 +414,7 @@ def same_run(saved, rec, stage):
 # Kept runs: a sweep's records in the repository, so that another machine resumes it
 
 RECORDS = ("run.json", "eval.json", "curve.json")  # what the tables read of a run (not weights)
+CURVE_RECORDS = RECORDS + ("metrics.jsonl",)  # a learning curve's FLOPs come from its metrics
 MODEL_FILES = ("model.safetensors", "tokenizer.json", "eval.json")  # a stage's model, as loaded
 
 
@@ -485,7 +486,7 @@ def frontier(cfg, Rs, d, say, runs_of=None):
         keep = kept(cfg, name)
         if d.is_main and keep and os.path.exists(f"{keep}/run.json") and not (
                 os.path.exists(f"{out}/run.json")):  # finished elsewhere: checked as any other
-            copy_files(keep, out, RECORDS)
+            copy_files(keep, out, CURVE_RECORDS)  # a record not kept is skipped
         saved = json.loads(Path(out, "run.json").read_text()) if os.path.exists(f"{out}/run.json") \
             else {}
         same = same_run(saved.get("run"), rec, stage)
@@ -527,12 +528,12 @@ def frontier(cfg, Rs, d, say, runs_of=None):
         if d.is_main:
             atomic_write_json(f"{out}/run.json", {"run": rec, "finished": True, "wall_s": wall})
             if keep:
-                copy_files(out, keep, RECORDS)
+                copy_files(out, keep, CURVE_RECORDS if curve else RECORDS)
         left = sum(1 for r in todo[i + 1:] if r[1] is not None)
         say(f"[{i + 1}/{len(todo)}] {name} done in {fmt_duration(wall)} | sweep "
             f"{fmt_duration(time.time() - t0)} so far"
             + (f", about {fmt_duration(spent / trained * left)} to go" if left and trained else ""))
-    rows, curves = [], []
+    rows, curves, bare = [], [], []
     read = lambda name, f: json.loads(Path(cfg.out_dir, name, f).read_text())  # noqa: E731
     for name, stage, c, R in todo if d.is_main else ():
         ev, run = read(name, "eval.json"), read(name, "run.json")
@@ -548,8 +549,15 @@ def frontier(cfg, Rs, d, say, runs_of=None):
                             for k in ("kl", "true_reward", "eos_rate")},
                          check_val_true_reward=check_point.get("true_reward"),
                          wall_s=run.get("wall_s")))
-        if is_curve(cfg, stage, c):
+        if is_curve(cfg, stage, c) and not os.path.exists(f"{c.out_dir}/metrics.jsonl"):
+            bare.append(name)  # kept before its metrics were: its FLOPs are not on this machine
+        elif is_curve(cfg, stage, c):
             curves += curve_rows(name, stage, c, read("ref", "eval.json"), read(name, "curve.json"))
+    if bare:
+        say(f"the learning curves' runs {', '.join(bare)} were restored from {cfg.keep} without "
+            "their metrics.jsonl, whose FLOPs the curves read: no curves this time (the section "
+            "stays as it was); a fresh --out_dir and --keep trains them again")
+        curves = []
     return rows, curves
 
 
