@@ -81,8 +81,8 @@ def test_the_pools_99th_percentile_by_hand(tmp_path):
 
 
 def test_contrasts_are_paired_by_seed():
-    a = {1: 3.0, 2: 5.0, 3: 4.0}
-    b = {1: 1.0, 2: 2.0, 3: 2.0, 4: 9.0}  # seed 4 has no partner: left out
+    a = {1: 3.0, 2: 5.0, 3: 4.0, 5: 0.0}
+    b = {1: 1.0, 2: 2.0, 3: 2.0, 4: 9.0}  # seeds 4 and 5 have no partner: left out
     (m, lo, hi), seeds = explore.paired_interval(a, b)
     # differences 2, 3, 2: mean 7/3, s² = 1/3, half-width t(2)·√(1/9)
     assert seeds == [1, 2, 3] and m == pytest.approx(7 / 3)
