@@ -320,13 +320,7 @@ def dpo_cfg(tiny, name, **kw):
     return dpo.Config(**{**base, **kw})
 
 
-def dpo_metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def dpo_weights(out_dir):
-    return load_file(os.path.join(out_dir, "model.safetensors"))
+dpo_metrics, dpo_weights = read_metrics, saved_weights  # the DPO tests' names for the same reads
 
 
 # Two ranks against one process, reward.py and ppo.py alike: the same global batches and the same
