@@ -223,9 +223,9 @@ def tables(rows, cfg, meta):
                    f"{ref['top_word_rate']:.1%}, {ref['beyond_pool']:.1%} above the pool's best, "
                    f"{ref['beyond_pool_p99']:.1%} above its 99th percentile.\n")
         out.append(f"| arm | pairs a step × steps | true reward | KL(π‖π_ref) nats | "
-                   f"J_{cfg.beta:g} | in language | top-word rate | above pool's best | above "
-                   "its p99 | EOS rate | a sample (first seed, first test prompt) |\n"
-                   "|---|---|---|---|---|---|---|---|---|---|---|")
+                   f"J_{cfg.beta:g} | in language | r_φ score | top-word rate | above pool's "
+                   "best | above its p99 | EOS rate | a sample (first seed, first test prompt) |\n"
+                   "|---|---|---|---|---|---|---|---|---|---|---|---|")
         for arm in ARMS:
             rs = by(reg, arm)
             if not rs:
@@ -235,6 +235,7 @@ def tables(rows, cfg, meta):
                 f"| {NAMES.get(arm, arm)} | {rs[0]['budget']} | "
                 f"{f_iv(mean_interval([r['true_reward'] for r in rs]))} | {mean('kl'):.2f} | "
                 f"{f_iv(mean_interval([J(r) for r in rs]))} | {mean('in_language'):.1%} | "
+                f"{mean('reward_model_score'):+.2f} | "
                 f"{mean('top_word_rate'):.1%} | {mean('beyond_pool'):.1%} | "
                 f"{mean('beyond_pool_p99'):.1%} | {mean('eos_rate'):.1%} | "
                 f"{sample_of(cfg, rs[0])} |")
@@ -307,8 +308,9 @@ def main(cfg):
                f"{cfg.eval_k} completions each. J_{cfg.beta:g}: true reward − {cfg.beta:g} × KL, "
                "per seed. Contrasts: the mean of the per-seed differences and its 95% t-interval "
                "(paired by seed). In language: the completion ended and is a text of the task's "
-               "language. Top-word rate: the share of completions holding great, superb or "
-               "loved. The runs took "
+               "language. r_φ score: the regime's reward model's mean score of the completions "
+               "(the proxy no arm here trains on). Top-word rate: the share of completions "
+               "holding great, superb or loved. The runs took "
                f"{fmt_duration(wall)} of training and evaluation in all, whichever invocation "
                "trained each.")
         os.makedirs(cfg.out_dir, exist_ok=True)
