@@ -131,3 +131,9 @@ def test_the_verdicts_say_exploration_only_from_the_data_contrast():
         "unseen: undetermined for the data; on-policy training itself adds")
     assert says("difference", -1.5, "difference", -0.8) == (
         "unseen: the data sampling found costs; on-policy training itself costs")
+    # each contrast read on its own: one's equivalence says nothing of the other
+    assert says("equivalent", 0.0, "undetermined", 0.3) == (
+        "unseen: undetermined for the data; on-policy training itself adds nothing")
+    assert says("difference", 2.0, "equivalent", 0.1) == (
+        "unseen: not exploration: the data sampling found is worth no more than the pool's; "
+        "on-policy training itself adds")
