@@ -87,9 +87,10 @@ def evaluate_policy(policy, ref, tok, prompts, d, k=4, batch_size=64, seed=0, n_
                     pool_p99=None):
     """Sample, score and compare on `prompts` (a list of strings), sharded over ranks. Returns the
     eval fields (docs/DESIGN.md, "Contracts between stages"); `samples` holds the first few prompts
-    with both models' completions. pool_best (task_pool_best): also the share of completions scored
-    above it, "beyond_pool": behaviour the training pairs never showed (task.fraction_beyond);
-    pool_p99 (task_pool_p99): the share above the pool's 99th percentile, "beyond_pool_p99".
+    with both models' completions. pool_best (task.task_pool_marks): also the share of completions
+    scored above it, "beyond_pool": behaviour the training pairs never showed
+    (task.fraction_beyond); pool_p99 (the same): the share above the pool's 99th percentile,
+    "beyond_pool_p99".
     reward_model (r_φ): also its mean score, "reward_model_score", by the missing-EOS rule."""
     was_training = policy.training
     policy.eval(), ref.eval()
@@ -249,8 +250,7 @@ def evaluate_held_out(policy, ref, tok, cfg, d, **kw):
 
     def on(path):
         return evaluate_policy(policy, ref, tok, data.read_prompts(path), d, k=cfg.eval_k,
-                               pool_best=task.task_pool_best(path), reward_model=reward_model,
-                               pool_p99=task.task_pool_p99(path), **kw)
+                               reward_model=reward_model, **task.task_pool_marks(path), **kw)
     ev = on(cfg.test_prompts)
     if cfg.val_prompts:
         ev["val"] = {k: v for k, v in on(cfg.val_prompts).items() if k != "samples"}
@@ -305,8 +305,7 @@ def main(cfg):
     ref, _ = load_model(cfg.ref, d.device)
     res = evaluate_policy(policy, ref, tok, data.read_prompts(cfg.prompts), d, k=cfg.k,
                           seed=cfg.seed, missing_eos_score=cfg.missing_eos_score,
-                          pool_best=task.task_pool_best(cfg.prompts),
-                          pool_p99=task.task_pool_p99(cfg.prompts),
+                          **task.task_pool_marks(cfg.prompts),
                           reward_model=load_reward_model(cfg.reward_model, tok, d.device))
     if d.is_main:
         print_samples(res, print)

@@ -247,18 +247,21 @@ def check_regime(regime):
         raise SystemExit(f"error: --regime {regime!r} is not a regime of the task: choose one of "
                          f"{', '.join(REGIMES)}")
 
+def pool_rewards(rows):
+    """The true reward of every response of a pair pool (rows {"prompt","chosen","rejected"}, both
+    responses of each)."""
+    return [true_reward(r["prompt"], r[k]) for r in rows for k in ("chosen", "rejected")]
+
 def pool_best(rows):
-    """The best behaviour a pair pool shows: the highest true reward of any of its responses (rows
-    {"prompt","chosen","rejected"}). One number for the pool, not one per prompt: the hidden reward
-    ignores the prompt, and held-out prompts are not in the pool."""
-    return max(true_reward(r["prompt"], r[k]) for r in rows for k in ("chosen", "rejected"))
+    """The best behaviour a pair pool shows: the highest true reward of any of its responses. One
+    number for the pool, not one per prompt: the hidden reward ignores the prompt, and held-out
+    prompts are not in the pool."""
+    return max(pool_rewards(rows))
 
 def pool_quantile(rows, q):
-    """The q-quantile of the true rewards of a pair pool's responses (both of each row; numpy's
-    linear interpolation): q 0.99 marks behaviour the pool shows rarely, where its best (q 1)
-    may be one outlier."""
-    return float(np.quantile([true_reward(r["prompt"], r[k]) for r in rows
-                              for k in ("chosen", "rejected")], q))
+    """The q-quantile of a pair pool's pool_rewards (numpy's linear interpolation): q 0.99 marks
+    behaviour the pool shows rarely, where its best (q 1) may be one outlier."""
+    return float(np.quantile(pool_rewards(rows), q))
 
 def fraction_beyond(rewards, best):
     """The share of completions (their true rewards) beyond the pool's best: behaviour the pairs
@@ -380,22 +383,20 @@ def task_prompts(prompts):
     return all(math.isfinite(text_logprob(f"{p} {p}")) for p in set(prompts))
 
 
+def task_pool_marks(prompts_path):
+    """What the task's pair pool shows (pairs_train.jsonl beside task.json), read and scored once,
+    as evaluate_policy's keywords: {"pool_best": its best response's true reward, "pool_p99":
+    their 99th percentile}, when prompts_path is in a built-in task's folder; else {}."""
+    folder = os.path.dirname(prompts_path)
+    if not os.path.exists(os.path.join(folder, "task.json")):
+        return {}
+    rewards = pool_rewards(data.read_pairs(os.path.join(folder, "pairs_train.jsonl")))
+    return {"pool_best": max(rewards), "pool_p99": float(np.quantile(rewards, 0.99))}
+
+
 def task_pool_best(prompts_path):
-    """The best behaviour the task's pair pool shows (pool_best of pairs_train.jsonl beside
-    task.json), when prompts_path is in a built-in task's folder; else None."""
-    folder = os.path.dirname(prompts_path)
-    if not os.path.exists(os.path.join(folder, "task.json")):
-        return None
-    return pool_best(data.read_pairs(os.path.join(folder, "pairs_train.jsonl")))
-
-
-def task_pool_p99(prompts_path):
-    """The 99th percentile of the true rewards of the task's pair pool (pool_quantile), when
-    prompts_path is in a built-in task's folder; else None."""
-    folder = os.path.dirname(prompts_path)
-    if not os.path.exists(os.path.join(folder, "task.json")):
-        return None
-    return pool_quantile(data.read_pairs(os.path.join(folder, "pairs_train.jsonl")), 0.99)
+    """task_pool_marks' pool_best, or None outside a built-in task's folder."""
+    return task_pool_marks(prompts_path).get("pool_best")
 
 
 if __name__ == "__main__":

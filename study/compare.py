@@ -58,7 +58,7 @@ from model import load_model
 from study import costs
 from study.results import flags, launcher, write_section
 from study.tables import floats, write_tables
-from task import require_task, task_pool_best, task_pool_p99
+from task import require_task, task_pool_marks
 
 
 @dataclass
@@ -315,9 +315,8 @@ def evaluate_checkpoint(stage, c, d, prompts=None):
     load_checkpoint(os.path.join(c.out_dir, "ckpt"), {name: policy}, d.device)
     prompts = prompts or c.test_prompts
     return evaluate_policy(policy, ref, tok, data.read_prompts(prompts), d, k=c.eval_k,
-                           pool_best=task_pool_best(prompts), pool_p99=task_pool_p99(prompts),
                            reward_model=load_reward_model(getattr(c, "reward_model", ""), tok,
-                                                          d.device))
+                                                          d.device), **task_pool_marks(prompts))
 
 
 def train_in_chunks(stage, c, points, d, resume, test=True, val_at=None):

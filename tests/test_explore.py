@@ -75,9 +75,10 @@ def test_the_pools_99th_percentile_by_hand(tmp_path):
     folder = tmp_path / "t"
     folder.mkdir()
     (folder / "pairs_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert task.task_pool_p99(str(folder / "prompts_test.jsonl")) is None  # no task.json
+    assert task.task_pool_marks(str(folder / "prompts_test.jsonl")) == {}  # no task.json
     (folder / "task.json").write_text("{}")
-    assert task.task_pool_p99(str(folder / "prompts_test.jsonl")) == pytest.approx(3.94)
+    marks = task.task_pool_marks(str(folder / "prompts_test.jsonl"))
+    assert marks["pool_p99"] == pytest.approx(3.94) and marks["pool_best"] == 4.0
 
 
 def test_contrasts_are_paired_by_seed():
