@@ -174,6 +174,23 @@ def response_len(targets, seq=None):
     return n.view(2, -1)
 
 
+def step_batch(step, lengths, file_steps, cfg):
+    """The step's global batch (indices of the train pairs, whose longest_row is `lengths`),
+    longest first: data.global_batch's draw from epochs of seeded permutations, or (--order file
+    or steps) file_steps[step], the file's batch, sorted so too. Either way its loss and gradient
+    are the unsorted batch's; the sort only lets each micro-batch pad to its own longest row."""
+    if file_steps is None:
+        return data.global_batch(len(lengths), cfg.batch_size, step, cfg.seed, lengths)
+    return sorted(file_steps[step], key=lambda i: -lengths[i])
+
+
+def micro_batches(mine, accum):
+    """This rank's share cut into at most accum contiguous micro-batches, none empty: accum of
+    micro_batch_size from a full batch; fewer from a file's smaller step."""
+    per = -(-len(mine) // accum)
+    return [mine[i:i + per] for i in range(0, len(mine), per)]
+
+
 def pair_loss(pi_c, pi_r, ref_lp, y, s, cfg):
     """The configured loss of a micro-batch (losses and the implicit rewards of chosen and
     rejected, (B,) each): dpo_loss from ref_lp, log π_ref (2, B); or simpo_loss, whose ref_lp is
@@ -366,20 +383,13 @@ def main(cfg):
         meter.start()
         lr = set_lr(opt, lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_frac))
 
-        # -- batch: this rank's share of the step's global batch, sorted by length and cut into
+        # -- batch: this rank's share of the step's global batch of n pairs (step_batch), cut into
         # micro-batches of pairs, each packed into rows of max_len (--no-pack: padded to its own
-        # longest row; the batch's loss and gradient are the unsorted batch's: data.global_batch)
-        # (--order file or steps: the file's batch of this step, sorted so too; n: its pairs)
-        if file_steps is None:
-            mine = data.global_batch(len(train), cfg.batch_size, step, cfg.seed, lengths)
-        else:
-            mine = sorted(file_steps[step], key=lambda i: -lengths[i])
-        n = len(mine)
-        mine = data.rank_slice(mine, d.rank, d.world)
-        per = -(-len(mine) // accum)  # a smaller batch (a file's step) fills fewer micro-batches
-        cut = [mine[m * per:(m + 1) * per] for m in range(accum) if mine[m * per:(m + 1) * per]]
+        # longest row)
+        mine = step_batch(step, lengths, file_steps, cfg)
+        n, mine = len(mine), data.rank_slice(mine, d.rank, d.world)
         batches = [data.collate_pairs([train[i] for i in rows], tok.pad, cfg.pack * cfg.max_len)
-                   for rows in cut]
+                   for rows in micro_batches(mine, accum)]
         meter.lap("batch")
 
         # -- reference log-probs: a lookup in precompute.py's cache, no model and no FLOPs (--ref
