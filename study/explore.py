@@ -33,7 +33,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import fmean, stdev
 
@@ -109,14 +109,13 @@ def arms(cc, R):
         if stage is not dpo:
             continue
         o, tail = os.path.dirname(c.out_dir), name.split("/")[-1].replace("dpo-", "", 1)
-        extra.append((name.replace("dpo-", f"dpo-batch{cc.online_batch}-", 1), dpo, dpo.Config(
-            **{**c.__dict__, "out_dir": f"{o}/dpo-batch{cc.online_batch}-{tail}",
-               "batch_size": cc.online_batch})))
+        extra.append((name.replace("dpo-", f"dpo-batch{cc.online_batch}-", 1), dpo, replace(
+            c, out_dir=f"{o}/dpo-batch{cc.online_batch}-{tail}", batch_size=cc.online_batch)))
         src = online[c.seed]
-        extra.append((name.replace("dpo-", "replay-", 1), dpo, dpo.Config(
-            **{**c.__dict__, "out_dir": f"{o}/replay-{tail}", "batch_size": cc.online_batch,
-               "train_pairs": f"{src.out_dir}/pairs.jsonl", "order": "steps",
-               "steps": src.iterations, "ref_logps": dpo.Config.ref_logps})))  # its cache: built
+        extra.append((name.replace("dpo-", "replay-", 1), dpo, replace(
+            c, out_dir=f"{o}/replay-{tail}", batch_size=cc.online_batch,
+            train_pairs=f"{src.out_dir}/pairs.jsonl", order="steps", steps=src.iterations,
+            ref_logps=dpo.Config.ref_logps)))  # its pairs' own cache, built by dpo.py
     # seed by seed, each seed's four arms together, so that an interrupted sweep leaves whole
     # seeds for the paired contrasts (each arm's replay still after its online run)
     order = {s: i for i, s in enumerate(compare.seed_list(cc))}
