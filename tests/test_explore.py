@@ -101,6 +101,16 @@ def test_the_rule_reaches_each_outcome():
     assert explore.rule((0.2, None, None), d) == "undetermined"  # one seed: no interval
 
 
+def test_the_rule_reads_an_interval_ending_at_0_as_holding_it():
+    # a closed interval [0, 1.6] holds 0: it does not exclude it, and reaches past δ, so neither
+    # a difference nor an equivalence; the same mirrored, and just past 0 it is a difference
+    d = 0.5
+    assert explore.rule((0.8, 0.0, 1.6), d) == "undetermined"
+    assert explore.rule((-0.8, -1.6, 0.0), d) == "undetermined"
+    assert explore.rule((0.8, 1e-9, 1.6), d) == "difference"
+    assert explore.rule((-0.8, -1.6, -1e-9), d) == "difference"
+
+
 def test_seeds_needed_by_hand():
     # mean 0.2 inside δ 0.5, sample sd 0.4: the half-width t(n − 1)·0.4/√n must fall below 0.3:
     # n = 9 gives 2.306·0.4/3 = 0.307, n = 10 gives 2.262·0.4/√10 = 0.286
@@ -138,3 +148,21 @@ def test_the_verdicts_say_exploration_only_from_the_data_contrast():
     assert says("difference", 2.0, "equivalent", 0.1) == (
         "unseen: not exploration: the data sampling found is worth no more than the pool's; "
         "on-policy training itself adds")
+
+
+def test_the_verdicts_read_the_contrasts_named_by_their_arms_by_hand():
+    # the arm pairs written out: on-policy training is online − replay, the data replay − online's
+    # batch; the optimisation (online's batch − offline DPO) and the whole gap say no verdict
+    on = ("online DPO (oracle)", "replay")
+    da = ("replay", "DPO, online's batch")
+    opt = ("DPO, online's batch", "DPO")
+    whole = ("online DPO (oracle)", "DPO")
+    assert [c[:2] for c in explore.CONTRASTS] == [on, da, opt, whole]
+    outcome = {"unseen": {on: ("difference", 1.5), da: ("equivalent", 0.1),
+                          opt: ("difference", -2.0), whole: ("undetermined", 0.4)},
+               "default": {on: ("equivalent", 0.0), da: ("difference", 0.9),
+                           opt: ("undetermined", 0.3), whole: ("difference", 3.0)}}
+    assert explore.verdicts(outcome) == [
+        "unseen: not exploration: the data sampling found is worth no more than the pool's; "
+        "on-policy training itself adds",
+        "default: the data sampling found carries a gain; on-policy training itself adds nothing"]
