@@ -1,16 +1,21 @@
 """The cost ladder's last rungs (study/costs.py): SimPO's job, the policy alone with no cache and
 cached DPO's FLOPs, and iterative DPO's row at the prompts its rounds sampled, as run. Closed forms
 written out by hand, one iteration of each job counted and the timed runs of one round, on the tiny
-π_ref (tests/helpers.py's fixture).
+π_ref (tests/helpers.py's fixture); the wall table's time per example, from made-up timings.
 
     pytest tests/test_costs_ladder.py
 """
 import json
 import os
+from dataclasses import asdict
 
 import pytest
 
+import dpo
+import grpo
+import iterative_dpo
 import online_dpo
+import ppo
 import precompute
 from model import GPTConfig
 from plumbing import init_distributed
@@ -149,3 +154,41 @@ def test_simpo_is_timed_as_its_own_dpo_run(tiny):
     assert simpo_step["logps/chosen"] == dpo_step["logps/chosen"]
     assert dpo_step["rewards/chosen"] == 0 and dpo_step["loss"] == pytest.approx(0.6931, abs=1e-4)
     assert simpo_step["rewards/chosen"] < 0 and simpo_step["loss"] != dpo_step["loss"]
+
+
+def test_wall_per_example_divides_by_the_examples_it_names_by_hand():
+    # the loops' defaults the rows name: GRPO's 64 completions are 16 prompts × 4, and its example
+    # is a completion (a rollout), as PPO's; the DPO loops' a pair
+    assert (grpo.Config.rollout_batch, grpo.Config.group_size) == (64, 4)
+    assert ppo.Config.rollout_batch == online_dpo.Config.rollout_batch == 64
+    assert dpo.Config.batch_size == iterative_dpo.Config.batch_size == 64
+    ms = {"ppo": 960.0, "grpo": 832.0, "online_dpo": 640.0, "iterative_dpo": 320.0,
+          "dpo_live": 192.0, "dpo_cache": 128.0, "simpo": 160.0, "precompute": 4500.0}
+    one = {"weights": 1, "grads": 1, "adam": 1, "total": 3}  # bytes: not what is read here
+    fl = {"step": 10 ** 6}
+    jobs = {job: dict(models={k: {"trainable": tr} for k, _, tr in held}, bytes_analytic=one,
+                      bytes_measured=one, cache_bytes=0, peak_bytes=None, flops_analytic=fl,
+                      flops_counted=fl, units=dict(positions=100, tokens=80, examples=8))
+            for job, held in costs.JOBS.items()}
+    jobs["precompute"] = {}
+    for job, t in ms.items():
+        jobs[job]["time"] = dict(ms=t, per_dpo_cached=t / 128, tokens_per_sec=0, mfu=0,
+                                 mfu_hardware=0, phases={})
+    cost = dict(ms=1.0, per_dpo_cached=1.0, flops_per_dpo_cached=1.0, flops_per_dpo_cached_7b=1.0)
+    res = dict(model=asdict(GPTConfig()), params=1, device="cpu", world=1, threads=1,
+               n_pairs=4500, jobs=jobs, payback_steps=1.0, layouts={},
+               payback_flops=dict(epoch_steps=1, precompute_train=1, precompute_val=1,
+                                  live_per_step=1, live_per_eval=1, eval_every=1, steps=1,
+                                  evals=1),
+               iterative=dict(rounds=0, runs=[], sampled=1000, nominal=cost), at_7b=costs.at_7b())
+    md = costs.costs_markdown(res, compare.Config(rounds=3, time_steps=4))
+    wall = md.split("### Wall time of the real loops")[1].split("\n\n")[1].splitlines()[2:]
+    got = [[c.strip() for c in line.strip("|").split("|")][:4] for line in wall]
+    assert got == [["PPO", "960", "64 rollouts", "15.00"],
+                   ["GRPO", "832", "64 rollouts", "13.00"],  # 832 / 64, not / 16 prompts
+                   ["online DPO", "640", "64 pairs", "10.00"],
+                   ["iterative DPO", "320", "64 pairs", "5.00"],
+                   ["DPO, live π_ref", "192", "64 pairs", "3.00"],
+                   ["DPO, cached log π_ref", "128", "64 pairs", "2.00"],
+                   ["SimPO (no π_ref)", "160", "64 pairs", "2.50"],
+                   ["precompute (once)", "4,500", "4500 pairs (train + val)", "1.00"]]

@@ -255,6 +255,13 @@ def test_mean_interval_by_hand():
     assert mean_interval([0.5]) == (0.5, None, None)
 
 
+def test_mean_interval_from_two_seeds_by_hand():
+    # two seeds: one degree of freedom, t(1) = 12.706; mean 2, s² = ((−1)² + 1²)/1 = 2,
+    # se √(2/2) = 1: half-width 12.706
+    m, lo, hi = mean_interval([1.0, 3.0])
+    assert m == 2.0 and (lo, hi) == pytest.approx((2 - 12.706, 2 + 12.706), abs=1e-9)
+
+
 def test_welch_interval_by_hand():
     xs, ys = [1.0, 2.0, 3.0, 6.0], [0.0, 1.0, 2.0]
     # means 3 and 1: d = 2. s_x²/n_x = (14/3)/4 = 7/6, s_y²/n_y = 1/3; se² = 3/2, se = 1.224745.

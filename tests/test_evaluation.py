@@ -1,11 +1,13 @@
 """The evaluation (evaluate.py): π_ref against itself gives KL 0 and win rate 1/2, one scoring rule
-for every model, the share of completions beyond the pool's best, user prompts without the hidden
+for every model, the share of completions beyond the pool's best (and `python evaluate.py`'s
+eval.json with both shares, counted from its samples), user prompts without the hidden
 reward, and the KL estimate, a policy's and a mixture's (what backs a point on a frontier envelope),
 against exact enumeration.
 
     pytest tests/test_evaluation.py
 """
 import copy
+import json
 import math
 from types import SimpleNamespace
 
@@ -70,6 +72,56 @@ def test_beyond_pool_is_the_share_of_completions_above_the_pools_best(tiny):
             assert 0 < share < 1 and got == pytest.approx(share, abs=1e-12), (t, side)
     assert "beyond_pool" not in evaluate_policy(ref, ref2, tok, prompts[:2], init_distributed(),
                                                 k=1)
+
+
+def worth(v):
+    """A response of the task's language whose hidden reward is v (a multiple of 0.5, |v| <= 14):
+    sentences "it felt great ." (+2) or "it felt awful ." (−2), then one adjective for the rest;
+    "we saw it on monday ." (0) when nothing is left."""
+    rest = {-1.5: "dull", -1.0: "bad", -0.5: "slow", 0.5: "fine", 1.0: "good", 1.5: "fun"}
+    words = ["great"] * int(max(v, 0) // 2) + ["awful"] * int(max(-v, 0) // 2)
+    words += [rest[v - 2 * len(words) * (1 if v > 0 else -1)]] if v % 2 else []
+    return "".join(f" it felt {w} ." for w in words) or " we saw it on monday ."
+
+
+def test_evaluate_main_reports_the_shares_beyond_the_pool_counted_from_its_samples(tiny, tmp_path):
+    # `python evaluate.py` on 3 test prompts, k = 1: its 3 samples are every completion of each
+    # model, with their scores, so the shares above the pool's marks can be counted from them
+    folder, out = tmp_path / "task", tmp_path / "eval.json"
+    folder.mkdir()
+    (folder / "prompts_test.jsonl").write_text(
+        "".join(open(f"{tiny.task}/prompts_test.jsonl").readlines()[:3]))
+    model = f"{tiny.sft}/model.safetensors"
+    cfg = evaluate.Config(policy=model, ref=model, prompts=str(folder / "prompts_test.jsonl"), k=1,
+                          seed=1, out=str(out))
+    evaluate.main(cfg)  # no task.json beside the prompts: no pool, no shares
+    first = json.loads(out.read_text())
+    assert not {"pool_best", "beyond_pool", "pool_p99", "beyond_pool_p99"} & first.keys()
+    scores = {side: [s[f"{side}_reward"] for s in first["samples"]] for side in ("policy", "ref")}
+    seen = sorted(set(scores["policy"] + scores["ref"]))
+    assert len(first["samples"]) == 3 and len(seen) >= 2, scores
+    # a pool whose best response scores m, the second highest score seen, and its three others
+    # m − 3: the 99th percentile is m − 3 + 0.97 × 3 = m − 0.09 (numpy's linear interpolation at
+    # 0.99 × 3 = 2.97), so a completion scoring m is above it but not above the best
+    m = seen[-2]
+    rows = [dict(prompt="it felt good .", chosen=worth(m), rejected=worth(m - 3)),
+            dict(prompt="it felt good .", chosen=worth(m - 3),
+                 rejected=worth(m - 3) + " we saw it on monday .")]  # the same reward, two texts
+    assert [tasks.true_reward(r["prompt"], r[k]) for r in rows for k in ("chosen", "rejected")] \
+        == [m, m - 3, m - 3, m - 3]
+    (folder / "pairs_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "task.json").write_text("{}")
+    evaluate.main(cfg)
+    ev = json.loads(out.read_text())
+    assert ev["samples"] == first["samples"] and ev["n_completions"] == 3  # the same seed
+    assert ev["pool_best"] == m and ev["pool_p99"] == pytest.approx(m - 0.09, abs=1e-9)
+    for side, key in (("policy", ""), ("ref", "ref_")):
+        assert ev[f"{key}beyond_pool"] == sum(s > m for s in scores[side]) / 3, side
+        assert ev[f"{key}beyond_pool_p99"] == sum(s >= m for s in scores[side]) / 3, side
+    # seen[-1] > m and m itself were scored: the two shares are not 0 and not equal
+    both = [ev["beyond_pool"] + ev["ref_beyond_pool"], ev["beyond_pool_p99"]
+            + ev["ref_beyond_pool_p99"]]
+    assert 0 < both[0] < both[1]
 
 
 def test_evaluation_scores_every_model_by_one_rule(tiny):

@@ -101,6 +101,16 @@ def test_the_rule_reaches_each_outcome():
     assert explore.rule((0.2, None, None), d) == "undetermined"  # one seed: no interval
 
 
+def test_the_rule_reads_an_interval_ending_at_0_as_holding_it():
+    # a closed interval [0, 1.6] holds 0: it does not exclude it, and reaches past δ, so neither
+    # a difference nor an equivalence; the same mirrored, and just past 0 it is a difference
+    d = 0.5
+    assert explore.rule((0.8, 0.0, 1.6), d) == "undetermined"
+    assert explore.rule((-0.8, -1.6, 0.0), d) == "undetermined"
+    assert explore.rule((0.8, 1e-9, 1.6), d) == "difference"
+    assert explore.rule((-0.8, -1.6, -1e-9), d) == "difference"
+
+
 def test_seeds_needed_by_hand():
     # mean 0.2 inside δ 0.5, sample sd 0.4: the half-width t(n − 1)·0.4/√n must fall below 0.3:
     # n = 9 gives 2.306·0.4/3 = 0.307, n = 10 gives 2.262·0.4/√10 = 0.286
@@ -138,3 +148,96 @@ def test_the_verdicts_say_exploration_only_from_the_data_contrast():
     assert says("difference", 2.0, "equivalent", 0.1) == (
         "unseen: not exploration: the data sampling found is worth no more than the pool's; "
         "on-policy training itself adds")
+
+
+def test_the_verdicts_read_the_contrasts_named_by_their_arms_by_hand():
+    # the arm pairs written out: on-policy training is online − replay, the data replay − online's
+    # batch; the optimisation (online's batch − offline DPO) and the whole gap say no verdict
+    on = ("online DPO (oracle)", "replay")
+    da = ("replay", "DPO, online's batch")
+    opt = ("DPO, online's batch", "DPO")
+    whole = ("online DPO (oracle)", "DPO")
+    assert [c[:2] for c in explore.CONTRASTS] == [on, da, opt, whole]
+    outcome = {"unseen": {on: ("difference", 1.5), da: ("equivalent", 0.1),
+                          opt: ("difference", -2.0), whole: ("undetermined", 0.4)},
+               "default": {on: ("equivalent", 0.0), da: ("difference", 0.9),
+                           opt: ("undetermined", 0.3), whole: ("difference", 3.0)}}
+    assert explore.verdicts(outcome) == [
+        "unseen: not exploration: the data sampling found is worth no more than the pool's; "
+        "on-policy training itself adds",
+        "default: the data sampling found carries a gain; on-policy training itself adds nothing"]
+
+
+def test_j_is_the_reward_less_beta_times_the_kl_by_hand():
+    assert explore.j_of({"true_reward": 1.5, "kl": 4.0}, 0.25) == 0.5  # 1.5 − 0.25 × 4
+    assert explore.j_of({"true_reward": -1.0, "kl": 2.0}, 0.5) == -2.0  # −1 − 0.5 × 2
+
+
+# made-up runs of the four arms at β 0.5, 3 seeds: (true reward, KL) per seed, so that
+# J = r − 0.5·KL per seed is offline DPO 0, 0.2, −0.2; online's batch 1, 1, 1; replay 2, 2.2, 2.4;
+# online DPO 2, 1.8, 2.2
+FAKE_ARMS = {"dpo-beta0.5-lr0.001": ("DPO", [(1.0, 2.0), (1.2, 2.0), (0.8, 2.0)]),
+             "dpo-batch20-beta0.5-lr0.001": ("DPO", [(1.5, 1.0)] * 3),
+             "replay-beta0.5-lr0.001": ("DPO", [(3.0, 2.0), (3.2, 2.0), (3.4, 2.0)]),
+             "online-oracle-batch20-beta0.5": ("online DPO (oracle)",
+                                               [(4.0, 4.0), (4.0, 4.4), (4.0, 3.6)])}
+
+
+def fake_eval(reward, kl):
+    """An eval.json as evaluate.py writes it (the fields the tables read)."""
+    return dict(kl=kl, true_reward=reward, true_reward_std=1.0, ref_true_reward=0.0,
+                ref_true_reward_std=1.0, win_rate=0.5, eos_rate=1.0, response_len=10.0,
+                true_reward_finished=reward, top_word_rate=0.25, in_language=0.75,
+                reward_model_score=0.5, pool_best=6.0, beyond_pool=0.0, pool_p99=4.0,
+                beyond_pool_p99=0.125, n_completions=8,
+                samples=[dict(prompt="it felt good .", policy=" it felt great .",
+                              policy_finished=True, ref=" it felt bad .", ref_finished=True,
+                              policy_reward=2.0, ref_reward=-1.0)])
+
+
+def test_tables_read_j_and_its_contrasts_from_run_records_by_hand(tmp_path):
+    records = [("ref", "π_ref", "", fake_eval(0.0, 0.0))] + [
+        (f"{name}-seed{s}", method, s, fake_eval(r, kl))
+        for name, (method, runs) in FAKE_ARMS.items() for s, (r, kl) in zip((1, 2, 3), runs)]
+    rows = []
+    for name, method, seed, ev in records:  # written as study.compare's frontier leaves them
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "eval.json").write_text(json.dumps(ev))
+        (tmp_path / name / "run.json").write_text(json.dumps(
+            {"run": {"stage": "dpo"}, "finished": True, "wall_s": 1.0}))
+        read = json.loads((tmp_path / name / "eval.json").read_text())
+        row = dict(run=name, regime="default", method=method, seed=seed,
+                   **compare.ev_fields(read), budget="20 × 3")
+        rows.append({**row, "arm": explore.arm_of(row)})
+    cfg = explore.Config(out_dir=str(tmp_path), regimes="default", beta=0.5, delta=0.6)
+    md, outcome = explore.tables(rows, cfg, {"default": dict(rule="everything shown",
+                                                             pool_top=0.2, n_pool=60)})
+    # per-seed differences of J: online − replay 0, −0.4, −0.2 (mean −0.2, s 0.2); replay −
+    # online's batch 1, 1.2, 1.4 (1.2, s 0.2); online's batch − DPO 1, 0.8, 1.2 (1.0, s 0.2);
+    # online − DPO 2, 1.6, 2.4 (2.0, s 0.4). Half-width t(2)·s/√3, t(2) = 4.303: 0.4969 for s 0.2
+    # (−0.70 to 0.30 holds 0 and passes −δ = −0.6: undetermined), 0.9937 for s 0.4
+    on, da = ("online DPO (oracle)", "replay"), ("replay", "DPO, online's batch")
+    opt, whole = ("DPO, online's batch", "DPO"), ("online DPO (oracle)", "DPO")
+    assert outcome.keys() == {"default"}
+    got = outcome["default"]
+    assert got.keys() == {on, da, opt, whole}
+    for pair, (said, m) in ((on, ("undetermined", -0.2)), (da, ("difference", 1.2)),
+                            (opt, ("difference", 1.0)), (whole, ("difference", 2.0))):
+        assert got[pair][0] == said and got[pair][1] == pytest.approx(m, abs=1e-12), pair
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip().strip("|").split("|")]
+             for line in md.splitlines() if line.startswith("| ")}
+    head = cells["arm"]
+    assert head[4] == "J_0.5" and head[3] == "KL(π‖π_ref) nats"
+    # each arm's J over its 3 seeds: mean ± 4.303 · s/√3
+    for arm, kl, j in (("offline DPO", "2.00", "+0.00 [-0.50, +0.50]"),
+                       ("DPO, online's batch", "1.00", "+1.00 [+1.00, +1.00]"),
+                       ("replay of online's pairs", "2.00", "+2.20 [+1.70, +2.70]"),
+                       ("online DPO (oracle)", "4.00", "+2.00 [+1.50, +2.50]")):
+        assert (cells[arm][3], cells[arm][4]) == (kl, j), arm
+    for contrast, j in (("online DPO (oracle) − replay of online's pairs", "-0.20 [-0.70, +0.30]"),
+                        ("replay of online's pairs − DPO, online's batch", "+1.20 [+0.70, +1.70]"),
+                        ("DPO, online's batch − offline DPO", "+1.00 [+0.50, +1.50]"),
+                        ("online DPO (oracle) − offline DPO", "+2.00 [+1.01, +2.99]")):
+        assert cells[contrast][2] == j, contrast
+    assert md.splitlines()[-1] == ("**The rule says**: default: the data sampling found carries a "
+                                   "gain; undetermined for on-policy training.")

@@ -386,3 +386,23 @@ def test_pool_best_and_the_fraction_beyond_it():
             {"prompt": "x", "chosen": " it felt good .", "rejected": " it felt awful ."}]
     assert tasks.pool_best(rows) == 2.5  # loved + fine; the prompt's "great" does not count
     assert tasks.fraction_beyond([2.5, 3.0, -1.0, 4.0], 2.5) == 0.5  # strictly beyond: 3 and 4
+
+
+def test_pool_best_and_p99_read_both_responses_even_where_the_best_is_rejected(tmp_path):
+    # the labels need not follow the hidden reward (Bradley-Terry draws), so the pool's best may be
+    # a rejected response: here " i loved the plot . it felt great ." = loved 2 + great 2 = 4,
+    # while the chosen ones score good 1 and bad −1 (the rejected other: awful −2)
+    rows = [{"prompt": "it felt good .", "chosen": " it felt good .",
+             "rejected": " i loved the plot . it felt great ."},
+            {"prompt": "it felt good .", "chosen": " it felt bad .",
+             "rejected": " it felt awful ."}]
+    assert tasks.pool_best(rows) == 4.0
+    # rewards sorted −2, −1, 1, 4; numpy's linear interpolation at 0.99 × 3 = 2.97: 1 + 0.97 × 3
+    assert tasks.pool_quantile(rows, 0.99) == pytest.approx(3.91, abs=1e-12)
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / "pairs_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "task.json").write_text("{}")
+    marks = tasks.task_pool_marks(str(folder / "prompts_test.jsonl"))
+    assert marks == {"pool_best": 4.0, "pool_p99": pytest.approx(3.91, abs=1e-12)}
+    assert tasks.task_pool_best(str(folder / "prompts_test.jsonl")) == 4.0
