@@ -187,6 +187,35 @@ def step_batch(step, lengths, file_steps, cfg):
     return list(file_steps[step])
 
 
+def replay_steps(rows, train, cfg, world):
+    """--order file or steps: the global batches of one pass over the train pairs (data.read_pairs'
+    rows, the usable ones `train`), a list of positions in train per step: the file's steps
+    (data.file_batches), in its order or (steps) in the order --seed draws; refused when there are
+    fewer than --steps of them, or when world ranks cannot share one evenly."""
+    stepped = any("step" in r for r in rows)  # all rows or none (file_batches)
+    check(stepped or len(rows) >= cfg.batch_size, f"--batch_size {cfg.batch_size} is more "
+          f"than the {len(rows)} rows of {cfg.train_pairs}, which have no \"step\": --order "
+          f"{cfg.order} takes a step per --batch_size rows, so not one step fits")
+    steps = data.file_batches(rows, train, cfg.batch_size, cfg.train_pairs)
+    if cfg.order == "steps":
+        steps = [steps[i] for i in np.random.default_rng(cfg.seed).permutation(len(steps))]
+    check(cfg.steps <= len(steps), f"--steps {cfg.steps} is more than the {len(steps)} batches "
+          f"of one pass over {cfg.train_pairs} (--order {cfg.order})")
+    uneven = next((b for b in steps if len(b) % world), None)
+    if uneven is not None:  # online DPO's steps keep their untied pairs: any number of them
+        i = train[uneven[0]]["index"]
+        what, why = ((f"the step of \"step\" {rows[i]['step']}", "online DPO writes the pairs "
+                      "of a step that did not tie, any number of them") if stepped else
+                     ("the batch of --batch_size rows from here", "its unusable rows left out"))
+        sizes = math.gcd(*map(len, steps))
+        check(False, f"{cfg.train_pairs}:{data.row_lines(cfg.train_pairs)[i]}: {what} holds "
+              f"{len(uneven)} pairs ({why}), which {world} ranks cannot share evenly: replay it "
+              f"on one process (python dpo.py, not torchrun)"
+              + (f", or on a number of ranks that divides {sizes}, every step's size"
+                 if sizes > 1 else ""))
+    return steps
+
+
 def micro_batches(mine, accum):
     """This rank's share cut into at most accum contiguous micro-batches, none empty: accum of
     micro_batch_size from a full batch; fewer from a file's smaller step."""
@@ -295,28 +324,7 @@ def setup(cfg, d, log):
           f"identical once cut to --max_len {cfg.max_len} tokens")
     file_steps = None  # --order shuffle: data.global_batch draws each step's batch
     if cfg.order != "shuffle":  # one pass: the file's batches, in its order or in a seeded one
-        stepped = any("step" in r for r in rows)  # all rows or none (file_batches)
-        check(stepped or len(rows) >= cfg.batch_size, f"--batch_size {cfg.batch_size} is more "
-              f"than the {len(rows)} rows of {cfg.train_pairs}, which have no \"step\": --order "
-              f"{cfg.order} takes a step per --batch_size rows, so not one step fits")
-        file_steps = data.file_batches(rows, train, cfg.batch_size, cfg.train_pairs)
-        if cfg.order == "steps":
-            file_steps = [file_steps[i] for i in np.random.default_rng(cfg.seed).permutation(
-                len(file_steps))]
-        check(cfg.steps <= len(file_steps), f"--steps {cfg.steps} is more than the "
-              f"{len(file_steps)} batches of one pass over {cfg.train_pairs} (--order {cfg.order})")
-        uneven = next((b for b in file_steps if len(b) % d.world), None)
-        if uneven is not None:  # online DPO's steps keep their untied pairs: any number of them
-            i = train[uneven[0]]["index"]
-            why = (f"\"step\" {rows[i]['step']}: online DPO writes the pairs of a step that did "
-                   f"not tie, any number of them" if stepped else
-                   "the batch of --batch_size rows from here, its unusable rows left out")
-            sizes = math.gcd(*map(len, file_steps))
-            check(False, f"{cfg.train_pairs}:{data.row_lines(cfg.train_pairs)[i]}: {why}, holds "
-                  f"{len(uneven)} pairs, which {d.world} ranks cannot share evenly: replay it on "
-                  f"one process (python dpo.py, not torchrun)"
-                  + (f", or on a number of ranks that divides {sizes}, every step's size"
-                     if sizes > 1 else ""))
+        file_steps = replay_steps(rows, train, cfg, d.world)
     # what the weights are trained from (the reference cache is checked against the same files)
     inputs = input_fingerprint({"--ref_model": cfg.ref_model, "tokenizer": tok_path,
                                 "--train_pairs": cfg.train_pairs, "--init": cfg.init}, train)

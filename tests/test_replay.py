@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 import data
 import dpo
 import online_dpo
-import plumbing
 import precompute
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,10 +95,12 @@ def replay(online, tiny):  # noqa: F811
 
 
 def file_steps(cfg, world=1):
-    """The steps dpo.py's setup cuts from cfg's pairs (positions of the usable rows), on world
-    ranks (this process as rank 0 of them: the cut reads d.world, nothing else of the group)."""
-    d = plumbing.Dist(0, 0, world, torch.device("cpu"), True, False)
-    return dpo.setup(cfg, d, lambda *a: None)[-1]
+    """The steps dpo.py cuts from cfg's train pairs for world ranks (dpo.replay_steps, as its setup
+    calls it): lists of positions of the usable rows."""
+    tok = data.load_tokenizer(f"{os.path.dirname(cfg.ref_model)}/tokenizer.json")
+    rows = data.read_pairs(cfg.train_pairs)
+    train, _ = data.tokenize_pairs(tok, rows, cfg.max_len, cfg.max_prompt_len, cfg.train_pairs)
+    return dpo.replay_steps(rows, train, cfg, world)
 
 
 def test_dpo_on_an_untied_runs_replay_file_is_its_run_bit_for_bit(tiny, tmp_path):  # noqa: F811
@@ -177,6 +178,36 @@ def test_dpo_order_steps_takes_the_files_steps_whole_in_an_order_its_seed_draws(
         dpo.main(dataclasses.replace(rep, out_dir=str(root / "long"), steps=5))
 
 
+def test_input_that_is_not_a_replay_is_refused_by_name(replay, tiny, tmp_path):  # noqa: F811
+    rep, by_step = replay
+    # texts with a "step": encoded again, online DPO's unfinished completions would gain an EOS
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({k: x[k] for k in ("step", "prompt", "chosen",
+                                                                "rejected")}) + "\n"
+                             for x in lines(rep.train_pairs)))
+    with pytest.raises(data.DataError, match=r'texts.jsonl:1: a row with a "step" holds texts, '
+                                             r'not the token ids.*Pass its pairs.jsonl with'):
+        file_steps(dataclasses.replace(rep, train_pairs=str(texts)))
+    # online DPO's own file on 2 ranks: its first step of an odd number of pairs, by hand
+    odd = next(b for b in by_step if len(b) % 2)
+    with pytest.raises(SystemExit, match=rf'pairs.jsonl:{odd[0] + 1}: the step of "step" '
+                                         rf'{lines(rep.train_pairs)[odd[0]]["step"]} holds '
+                                         rf'{len(odd)} pairs .*2 ranks cannot share evenly: '
+                                         r'replay it on one process'):
+        file_steps(rep, world=2)
+    assert file_steps(rep, world=1) == by_step
+    # a file without "step": a step per --batch_size rows, 8 pairs each here (not per
+    # --micro_batch_size); a batch larger than the file says so, not "0 batches"
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(open(f"{tiny.task}/pairs_train.jsonl").readlines()[:16]))
+    flat = dataclasses.replace(rep, train_pairs=str(plain), batch_size=8, micro_batch_size=4,
+                               steps=2)
+    assert file_steps(flat) == [list(range(8)), list(range(8, 16))]
+    with pytest.raises(SystemExit, match=r"--batch_size 32 is more than the 16 rows of \S*"
+                                         r"plain.jsonl, which have no \"step\""):
+        file_steps(dataclasses.replace(flat, batch_size=32))
+
+
 def test_file_batches_group_by_step_or_by_batch_size(tmp_path):
     rows = [dict(step=s, ids=()) for s in (1, 1, 2, 4, 4, 4)]  # read_pairs' rows of ids
     path = tmp_path / "p.jsonl"
@@ -217,6 +248,23 @@ def test_a_row_of_token_ids_is_read_as_ids_and_a_bad_one_named(tmp_path, tiny): 
         path.write_text("\n" + json.dumps(good) + "\n" + json.dumps({**good, **change}) + "\n")
         with pytest.raises(data.DataError, match=f"ids.jsonl:3: {msg}"):
             data.read_pairs(str(path))
+    # not what a sampled pair can hold: a prompt without its BOS or with padding, a response
+    # that goes on after its EOS (generate stops a row there)
+    E, P = tok.eos, tok.pad
+    for change, msg in (({"prompt_ids": [5, 6]}, 'field "prompt_ids" starts with 5, not BOS'),
+                        ({"prompt_ids": [E, P, 6]}, 'field "prompt_ids" holds the PAD id'),
+                        ({"chosen_ids": [7, E, P, P]}, 'field "chosen_ids" goes on after its EOS '
+                                                       r'\(position 1\) with 2 PAD ids'),
+                        ({"rejected_ids": [7, E, 9]}, 'field "rejected_ids" goes on after its EOS '
+                                                      r'\(position 1\) with 1 more tokens')):
+        path.write_text("\n" + json.dumps(good) + "\n" + json.dumps({**good, **change}) + "\n")
+        with pytest.raises(data.DataError, match=f"ids.jsonl:3: {msg}"):
+            data.tokenize_pairs(tok, data.read_pairs(str(path)), 64, 16, str(path))
+    # PAD's id before a response's end is a token the policy sampled (the whole vocabulary is
+    # drawn from): kept, as online DPO's step trained on it
+    path.write_text(json.dumps({**good, "chosen_ids": [7, P, 8]}) + "\n")
+    ex, _ = data.tokenize_pairs(tok, data.read_pairs(str(path)), 64, 16, str(path))
+    assert ex[0]["chosen"] == [7, P, 8]
     path.write_text(json.dumps({**good, "chosen_ids": [tok.vocab_size]}) + "\n")
     with pytest.raises(data.DataError, match=f"ids.jsonl:1: token id {tok.vocab_size} is not"):
         data.tokenize_pairs(tok, data.read_pairs(str(path)), 64, 16, str(path))
