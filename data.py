@@ -360,10 +360,7 @@ def tokenize_pairs(tok, rows, max_len, max_prompt_len, path="the pairs"):
     for i, row in enumerate(rows):
         if "ids" in row:
             x, yc, yr = (list(v) for v in row["ids"])
-            if max(x + yc + yr) >= tok.vocab_size:
-                line = row_lines(path)[i] if os.path.exists(path) else i + 1
-                raise DataError(f"{path}:{line}: token id {max(x + yc + yr)} is not one of the "
-                                f"tokenizer's {tok.vocab_size}: written with another tokenizer?")
+            _check_ids(tok, x, yc, yr, path, i)
         else:
             x = encode_prompt(tok, row["prompt"])
             yc, yr = encode_response(tok, row["chosen"]), encode_response(tok, row["rejected"])
@@ -388,6 +385,32 @@ def tokenize_pairs(tok, rows, max_len, max_prompt_len, path="the pairs"):
     for k in ("chosen", "rejected"):
         stats[f"{k}_lost_eos"] = sum(e[k][-1] != tok.eos for e in examples if e["index"] in cut)
     return examples, stats
+
+def _check_ids(tok, x, yc, yr, path, i):
+    """A row of ids (rows[i] of path) as online_dpo.py writes them, or a DataError naming its line
+    and field: ids of this tokenizer; a prompt that starts with BOS, as every sequence does
+    (encode_prompt), and holds no PAD (generate's left padding, not a token); responses that end
+    at their EOS, if they have one (generate stops a row there: what follows, PAD or not, is
+    padding or another text). A PAD id before that end is kept: the policy samples from the whole
+    vocabulary, PAD's id included, and online DPO's step trained on it as a token."""
+    line = lambda: row_lines(path)[i] if os.path.exists(path) else i + 1  # noqa: E731
+    if max(x + yc + yr) >= tok.vocab_size:
+        raise DataError(f"{path}:{line()}: token id {max(x + yc + yr)} is not one of the "
+                        f"tokenizer's {tok.vocab_size}: written with another tokenizer?")
+    if x[0] != tok.eos:
+        raise DataError(f'{path}:{line()}: field "prompt_ids" starts with {x[0]}, not BOS (the '
+                        f'tokenizer\'s {EOS}, id {tok.eos}), as every sequence here does: '
+                        f'prepend it')
+    if tok.pad in x:
+        raise DataError(f'{path}:{line()}: field "prompt_ids" holds the PAD id {tok.pad} at '
+                        f'position {x.index(tok.pad)}: padding, not a token of the prompt')
+    for k, y in (("chosen_ids", yc), ("rejected_ids", yr)):
+        end = y.index(tok.eos) + 1 if tok.eos in y else len(y)
+        if end < len(y):
+            what = "PAD ids (padding)" if set(y[end:]) == {tok.pad} else "more tokens"
+            raise DataError(f'{path}:{line()}: field "{k}" goes on after its EOS (position '
+                            f'{end - 1}) with {len(y) - end} {what}: a response ends at its '
+                            f'EOS; cut it there')
 
 HEAVY_CUT = 0.05  # truncation_warning speaks when more than this fraction of the rows lose tokens
 
@@ -519,7 +542,8 @@ def file_batches(rows, examples, batch_size, path):
     """The global batches of one pass over the pairs in the file's order (dpo.py --order file),
     each a list of positions in examples (the usable rows, by their "index"). Rows with a "step"
     (online_dpo.py's pairs.jsonl) make a batch per step, as online DPO took them; rows without
-    one, a batch per batch_size rows (a short tail dropped, as global_batch drops it)."""
+    one, a batch per batch_size rows (a short tail dropped, as global_batch drops it). Rows with
+    a "step" must be rows of token ids: a replay is of the tokens the run stepped on."""
     has = [("step" in r) for r in rows]
     if any(has) and not all(has):
         n = row_lines(path)[has.index(not has[0])]
@@ -528,6 +552,13 @@ def file_batches(rows, examples, batch_size, path):
     if not any(has):
         keys = [i // batch_size for i in range(len(rows) // batch_size * batch_size)]
     else:
+        text = next((j for j, r in enumerate(rows) if "ids" not in r), None)
+        if text is not None:  # a replay of texts is not the run: their encoding is not its tokens
+            raise DataError(f'{path}:{row_lines(path)[text]}: a row with a "step" holds texts, not '
+                            f'the token ids online DPO stepped on: encoded again, a completion '
+                            f'that never ended gains an EOS, so these steps are not its steps. '
+                            f'Pass its pairs.jsonl with "prompt_ids", "chosen_ids" and '
+                            f'"rejected_ids", or drop "step" to take a step per --batch_size rows')
         keys, lines = [r["step"] for r in rows], row_lines(path)
         for j, k in enumerate(keys):
             if type(k) is not int or (j and k < keys[j - 1]):

@@ -29,6 +29,7 @@ What DPO adds is that one-time precompute. SimPO (Meng et al. 2024, `--loss simp
 Writes out/dpo/: model.safetensors (+ tokenizer.json), metrics.jsonl, eval.json, ckpt/.
 """
 
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -175,13 +176,44 @@ def response_len(targets, seq=None):
 
 
 def step_batch(step, lengths, file_steps, cfg):
-    """The step's global batch (indices of the train pairs, whose longest_row is `lengths`),
-    longest first: data.global_batch's draw from epochs of seeded permutations, or (--order file
-    or steps) file_steps[step], the file's batch, sorted so too. Either way its loss and gradient
-    are the unsorted batch's; the sort only lets each micro-batch pad to its own longest row."""
+    """The step's global batch (indices of the train pairs, whose longest_row is `lengths`):
+    data.global_batch's draw from epochs of seeded permutations, longest first, which lets each
+    micro-batch pad to its own longest row and leaves the loss and gradient the unsorted batch's
+    up to fp32 rounding; or (--order file or steps) file_steps[step], the file's batch in the
+    file's order, the order online DPO's micro-batches took its pairs in, so that a replay does
+    its very arithmetic (on one process, --no-pack --ref live: its weights, bit for bit)."""
     if file_steps is None:
         return data.global_batch(len(lengths), cfg.batch_size, step, cfg.seed, lengths)
-    return sorted(file_steps[step], key=lambda i: -lengths[i])
+    return list(file_steps[step])
+
+
+def replay_steps(rows, train, cfg, world):
+    """--order file or steps: the global batches of one pass over the train pairs (data.read_pairs'
+    rows, the usable ones `train`), a list of positions in train per step: the file's steps
+    (data.file_batches), in its order or (steps) in the order --seed draws; refused when there are
+    fewer than --steps of them, or when world ranks cannot share one evenly."""
+    stepped = any("step" in r for r in rows)  # all rows or none (file_batches)
+    check(stepped or len(rows) >= cfg.batch_size, f"--batch_size {cfg.batch_size} is more "
+          f"than the {len(rows)} rows of {cfg.train_pairs}, which have no \"step\": --order "
+          f"{cfg.order} takes a step per --batch_size rows, so not one step fits")
+    steps = data.file_batches(rows, train, cfg.batch_size, cfg.train_pairs)
+    if cfg.order == "steps":
+        steps = [steps[i] for i in np.random.default_rng(cfg.seed).permutation(len(steps))]
+    check(cfg.steps <= len(steps), f"--steps {cfg.steps} is more than the {len(steps)} batches "
+          f"of one pass over {cfg.train_pairs} (--order {cfg.order})")
+    uneven = next((b for b in steps if len(b) % world), None)
+    if uneven is not None:  # online DPO's steps keep their untied pairs: any number of them
+        i = train[uneven[0]]["index"]
+        what, why = ((f"the step of \"step\" {rows[i]['step']}", "online DPO writes the pairs "
+                      "of a step that did not tie, any number of them") if stepped else
+                     ("the batch of --batch_size rows from here", "its unusable rows left out"))
+        sizes = math.gcd(*map(len, steps))
+        check(False, f"{cfg.train_pairs}:{data.row_lines(cfg.train_pairs)[i]}: {what} holds "
+              f"{len(uneven)} pairs ({why}), which {world} ranks cannot share evenly: replay it "
+              f"on one process (python dpo.py, not torchrun)"
+              + (f", or on a number of ranks that divides {sizes}, every step's size"
+                 if sizes > 1 else ""))
+    return steps
 
 
 def micro_batches(mine, accum):
@@ -292,15 +324,7 @@ def setup(cfg, d, log):
           f"identical once cut to --max_len {cfg.max_len} tokens")
     file_steps = None  # --order shuffle: data.global_batch draws each step's batch
     if cfg.order != "shuffle":  # one pass: the file's batches, in its order or in a seeded one
-        file_steps = data.file_batches(rows, train, cfg.batch_size, cfg.train_pairs)
-        if cfg.order == "steps":
-            file_steps = [file_steps[i] for i in np.random.default_rng(cfg.seed).permutation(
-                len(file_steps))]
-        check(cfg.steps <= len(file_steps), f"--steps {cfg.steps} is more than the "
-              f"{len(file_steps)} batches of one pass over {cfg.train_pairs} (--order {cfg.order})")
-        uneven = next((len(b) for b in file_steps if len(b) % d.world), 0)
-        check(not uneven, f"a step of {cfg.train_pairs} holds {uneven} pairs, which {d.world} "
-              "ranks cannot share evenly: run it on fewer ranks")
+        file_steps = replay_steps(rows, train, cfg, d.world)
     # what the weights are trained from (the reference cache is checked against the same files)
     inputs = input_fingerprint({"--ref_model": cfg.ref_model, "tokenizer": tok_path,
                                 "--train_pairs": cfg.train_pairs, "--init": cfg.init}, train)

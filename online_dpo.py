@@ -24,8 +24,10 @@ penalty, and the advantages (GAE): the loss is still DPO's closed form, the β·
 it. Writes out/online_dpo/: model.safetensors (+ tokenizer.json), metrics.jsonl, eval.json, ckpt/,
 and pairs.jsonl: every labelled pair each round stepped on, in order, as token ids. dpo.py replays
 it (--train_pairs out/online_dpo/pairs.jsonl --order file --batch_size <rollout_batch>): the same
-steps on the same pairs, the same weights; --order steps takes them in another order, so the
-policy that trains on a pair is no longer the one that sampled it.
+steps on the same pairs, the same weights to fp32 rounding (bit for bit with --no-pack --ref live
+on one process, where no pair tied: a tie is in this job's micro-batches, not in the file);
+--order steps takes them in another order, so the policy that trains on a pair is no longer the
+one that sampled it.
 """
 import copy
 import os
