@@ -448,6 +448,11 @@ def test_iterative_refused_resume_changes_nothing_and_more_rounds_reuse_the_done
     iterative_dpo.main(replace(full, rounds=1))
     assert open(f"{full.out_dir}/round1/dpo/metrics.jsonl").read() == steps
     assert json.load(open(f"{full.out_dir}/eval.json")) == one
+    # --no-resume starts over: the rounds of the run the folder held are removed, none left to be
+    # taken for the new run's
+    iterative_dpo.main(replace(part, rounds=1, seed=7, resume=False))
+    assert not os.path.exists(f"{part.out_dir}/round2")
+    assert json.load(open(f"{part.out_dir}/rounds.json"))["config"]["seed"] == 7
 
 
 # ==================================================================================================
