@@ -329,28 +329,18 @@ def input_fingerprint(files, examples):
     return fp
 
 
-def resume(ckpt_dir, cfg, parts, device, log, inputs,
-           free=("resume", "stop_after", "fsdp")):
-    """Continue from ckpt_dir when it holds a run of this same config (the fields in `free` may
-    differ) and of the same inputs (`inputs`, from input_fingerprint, which the stage saves in each
-    checkpoint's state as "inputs"): fills `parts` and returns (step, state). Anything else stops
-    the run and names what differs, rather than silently mixing two runs (a π_ref retrained, a data
-    file edited since the checkpoint). (0, {}) with no checkpoint or with --no-resume."""
-    # our writes are atomic, but a file damaged or edited outside this code is one error line too
-    damaged = (f"{ckpt_dir} holds a checkpoint that cannot be read ({{}}); pass --no-resume to "
-               "start over, or another --out_dir")
-    try:
-        saved = checkpoint_state(ckpt_dir) if cfg.resume else None
-    except Exception as e:
-        raise SystemExit("error: " + damaged.format(e)) from None
-    if saved is None:
-        return 0, {}
+def same_run(where, saved, cfg, inputs, free):
+    """Stop unless `saved` (the state a run recorded in `where`: its "config" and its "inputs",
+    from input_fingerprint) is a run of cfg's config (the fields in `free` may differ) and of the
+    same `inputs`, naming what differs, rather than silently mixing two runs (a π_ref retrained, a
+    data file edited since). Called before the run writes anything, so a refused run changes
+    nothing of the one it would have continued."""
     ours = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
     old = saved["config"]
     diff = [f"{k} {old.get(k)} -> {v}" for k, v in ours.items() if old.get(k) != v]
-    check(not diff, f"{ckpt_dir} holds a run with another config ({', '.join(diff)}); "
+    check(not diff, f"{where} holds a run with another config ({', '.join(diff)}); "
           f"pass --no-resume to start over, or another --out_dir")
-    check("inputs" in saved, f"{ckpt_dir} records no fingerprint of its inputs (an older version "
+    check("inputs" in saved, f"{where} records no fingerprint of its inputs (an older version "
           "wrote it); pass --no-resume to start over, or another --out_dir")
     old = saved["inputs"]
     changed = [k for k in {**old, **inputs} if old.get(k) != inputs.get(k)]
@@ -360,13 +350,40 @@ def resume(ckpt_dir, cfg, parts, device, log, inputs,
     changed = ["the token ids of the training data (tokenizer, truncation or data code)"
                if k == "token ids" else f"{k} (sha256 {sha(old, k)} -> {sha(inputs, k)})"
                for k in changed]
-    check(not changed, f"{ckpt_dir} holds a run trained from other inputs, changed since: "
+    check(not changed, f"{where} holds a run trained from other inputs, changed since: "
           f"{'; '.join(changed)}. Pass --no-resume to start over from these inputs, or another "
           "--out_dir (or put the old files back to resume)")
+
+
+def damaged(ckpt_dir, e):
+    # our writes are atomic, but a file damaged or edited outside this code is one error line too
+    return SystemExit(f"error: {ckpt_dir} holds a checkpoint that cannot be read ({e}); pass "
+                      "--no-resume to start over, or another --out_dir")
+
+
+def resumable(ckpt_dir, cfg, inputs, free=("resume", "stop_after", "fsdp")):
+    """The state of ckpt_dir's checkpoint when this run continues it (same_run stops a run of
+    another config or other inputs); None with no checkpoint or with --no-resume. A stage that
+    writes anything before it resumes (dpo.py building a missing cache) asks this first."""
+    try:
+        saved = checkpoint_state(ckpt_dir) if cfg.resume else None
+    except Exception as e:
+        raise damaged(ckpt_dir, e) from None
+    if saved is not None:
+        same_run(ckpt_dir, saved, cfg, inputs, free)
+    return saved
+
+
+def resume(ckpt_dir, cfg, parts, device, log, inputs,
+           free=("resume", "stop_after", "fsdp")):
+    """Continue from ckpt_dir when it holds a run of this same config and inputs (resumable):
+    fills `parts` and returns (step, state). (0, {}) with no checkpoint or with --no-resume."""
+    if resumable(ckpt_dir, cfg, inputs, free) is None:
+        return 0, {}
     try:
         step, state = load_checkpoint(ckpt_dir, parts, device)
     except Exception as e:
-        raise SystemExit("error: " + damaged.format(e)) from None
+        raise damaged(ckpt_dir, e) from None
     log(f"resuming from {ckpt_dir} at step {step}")
     return step, state
 

@@ -41,7 +41,7 @@ import data
 import precompute
 import sft
 from checkpoint import (check_step, input_fingerprint, load_ref_logps, prepare_outputs,
-                        require_same_tokenizer, resume, save_checkpoint, save_outputs,
+                        require_same_tokenizer, resumable, resume, save_checkpoint, save_outputs,
                         tokenizer_beside)
 from evaluate import evaluate_held_out, print_samples, summary
 from meter import Meter, anatomy, batch_flops, format_anatomy, matmul_shapes, measure_peak_flops
@@ -268,6 +268,14 @@ SHOWN = ("loss", "rewards/accuracies", "rewards/margins", "grad_norm", "lr", "va
 # ==== setup: ranks, device, inputs (a missing earlier stage is built with its defaults)
 
 
+def resume_free(cfg):
+    """The flags a resumed run may change. Cached and live are the same run, so either may resume
+    the other; γ is SimPO's alone; the validation prompts are read by the last evaluation only
+    (iterative_dpo.py's last round)."""
+    return (("resume", "stop_after", "ref", "compile", "fsdp", "pack", "reward_model",
+             "val_prompts") + ("simpo_gamma",) * (cfg.loss != "simpo"))
+
+
 def setup(cfg, d, log):
     """The pairs, tokenized, π_ref's tokenizer, what the weights are trained from, and (the
     default) precompute.py's cache of log π_ref, built when missing; none under --loss simpo."""
@@ -328,6 +336,8 @@ def setup(cfg, d, log):
     # what the weights are trained from (the reference cache is checked against the same files)
     inputs = input_fingerprint({"--ref_model": cfg.ref_model, "tokenizer": tok_path,
                                 "--train_pairs": cfg.train_pairs, "--init": cfg.init}, train)
+    # a resume of another run is refused now, before a missing cache is built for it
+    resumable(os.path.join(cfg.out_dir, "ckpt"), cfg, inputs, resume_free(cfg))
     ref_logps = (None, None)
     if use_cache:  # the reference's only trace in this job: two fp32 numbers per pair
         # with --ref_logps at its default, the cache (the built-in task's, or your pairs' own) is
@@ -384,10 +394,8 @@ def main(cfg):
 
     # ==== optimizer, schedule, resume
     opt = adamw(policy, cfg.lr, cfg.weight_decay)
-    # cached and live are the same run, so either may resume the other; γ is SimPO's alone
     start, state = resume(ckpt_dir, cfg, {"model": policy, "optim": opt}, d.device, log.print,
-                          inputs, free=("resume", "stop_after", "ref", "compile", "fsdp", "pack",
-                                        "reward_model") + ("simpo_gamma",) * (cfg.loss != "simpo"))
+                          inputs, free=resume_free(cfg))
     first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     log.start(start)  # metrics.jsonl keeps the steps up to `start`
     accum = split_batch(cfg.batch_size, cfg.micro_batch_size, d.world)

@@ -22,6 +22,8 @@ model.safetensors (+ tokenizer.json, the last round's), eval.json (its evaluatio
 """
 import json
 import os
+import re
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,7 +35,8 @@ import dpo
 import precompute
 import sft
 import task
-from checkpoint import atomic_copy, atomic_write_json, prepare_outputs, tokenizer_beside
+from checkpoint import (atomic_copy, atomic_write_json, input_fingerprint, prepare_outputs,
+                        same_run, tokenizer_beside)
 from evaluate import score_completions
 from model import generate, load_model
 from plumbing import (SEED_STRIDE, Logger, atomic_write_text, barrier, check, init_distributed,
@@ -62,7 +65,9 @@ class Config:
     micro_batch_size: int = 64  # completions sampled per forward on one rank
     eval_k: int = 4  # completions per held-out prompt in each round's evaluation
     seed: int = 1337  # the rounds' prompt order, sampling, labels and data order
-    resume: bool = True  # skip the rounds out_dir already holds for this same config
+    # skip the rounds out_dir holds for this same config, whatever their --rounds; --no-resume:
+    # remove them and start over
+    resume: bool = True
 
 
 # ==== the sampler and the labeller
@@ -71,6 +76,12 @@ class Config:
 # fraction e of its completions keeps about e² of its pairs: at β 0.1 round 3's policy ended 48%,
 # so round 4 kept 893 of 4,000 prompts' pairs and needed a fifth batch. 16 covers e down to 1/4.
 MAX_BATCHES = 16
+# Round r's random streams, each seeded seed + SEED_STRIDE·r + its offset: the prompt order, the
+# labels, and batch b's token uniforms at TOKEN_SEEDS[b], the first batch's beside the labels' and
+# the later ones past them, so that no two streams share a seed (a batch whose tokens drew the
+# labels' uniforms would tie its completions to their labels). All far below SEED_STRIDE.
+ORDER_SEED, LABEL_SEED = 0, 2
+TOKEN_SEEDS = (1, *range(LABEL_SEED + 1, LABEL_SEED + MAX_BATCHES))
 
 
 def sample_pairs(policy, tok, prompts, r, cfg, d):
@@ -83,8 +94,9 @@ def sample_pairs(policy, tok, prompts, r, cfg, d):
     the labeller only if both completions ended (EOS), hold some text and differ, as every pair of
     the offline pool does: a cut one would be re-read as ending (data.py adds the EOS), and an
     empty one is refused as data."""
+    base = cfg.seed + SEED_STRIDE * r  # round r's streams: base + their offsets
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(
-        cfg.seed + SEED_STRIDE * r)).tolist()
+        base + ORDER_SEED)).tolist()
     kept, skipped, b = [], dict(unfinished=0, empty=0, identical=0), 0
     while len(kept) < cfg.pairs:
         check(b < MAX_BATCHES, f"round {r + 1}: {MAX_BATCHES * cfg.pairs} prompts gave only "
@@ -97,7 +109,7 @@ def sample_pairs(policy, tok, prompts, r, cfg, d):
                 for p in batch for _ in range(2)]
         n_new = policy.config.block_size - max(map(len, rows))
         U = torch.rand(len(rows), n_new, generator=torch.Generator().manual_seed(
-            cfg.seed + SEED_STRIDE * r + 1 + b))
+            base + TOKEN_SEEDS[b]))
         mb, out = cfg.micro_batch_size, []
         for j in [list(range(i, min(i + mb, len(rows)))) for i in range(0, len(rows), mb)][
                 d.rank::d.world]:  # whole micro-batches to each rank: the same rows on any world
@@ -121,7 +133,7 @@ def sample_pairs(policy, tok, prompts, r, cfg, d):
         b += 1
     kept = kept[:cfg.pairs]
     u = torch.rand(len(kept), generator=torch.Generator().manual_seed(
-        cfg.seed + SEED_STRIDE * r + 2)).tolist()
+        base + LABEL_SEED)).tolist()
     pairs = []
     for (prompt, ya, yb), ui in zip(kept, u):
         r_a, r_b = task.true_reward(prompt, ya), task.true_reward(prompt, yb)
@@ -151,6 +163,39 @@ def round_configs(cfg, r):
     return folder, pairs, pc, dc
 
 
+def resume_rounds(cfg, state_path, me, inputs, d, log):
+    """The rounds this run finds done: rounds.json's (state_path: the config `me`, its `inputs`,
+    each finished round's counts), decided before the run writes anything, so that a refused run
+    leaves out_dir as it was. A run of the same config and inputs goes on after its last finished
+    round, whatever its --rounds (a round's training does not depend on how many follow it); any
+    other, or a round folder no rounds.json accounts for, is refused, naming what differs. A new
+    run (or --no-resume) records its config first, so a round it leaves half done is known as its
+    own; --no-resume removes the rounds out_dir held, so none is later taken for this run's."""
+    held = sorted(f for f in os.listdir(cfg.out_dir) if re.fullmatch(r"round\d+", f))
+    if cfg.resume and os.path.exists(state_path):
+        try:  # written atomically here; damaged or edited outside this code: one error line
+            state = json.loads(Path(state_path).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: {state_path} cannot be read ({e}); pass --no-resume to "
+                             "start over, or another --out_dir") from None
+        same_run(state_path, state, cfg, inputs, free=("resume", "rounds"))
+        return state["rounds"]
+    check(not (cfg.resume and held), f"{cfg.out_dir} holds round folders ({', '.join(held)}) but "
+          "no rounds.json saying which config ran them (an older version's run): pass "
+          "--no-resume to start over, or another --out_dir")
+    barrier(d)  # every rank has read out_dir before rank 0 changes it
+    if d.is_main:
+        if os.path.exists(state_path):  # first, so that a kill below leaves rounds no record owns
+            os.remove(state_path)
+        for f in held:
+            shutil.rmtree(os.path.join(cfg.out_dir, f))
+        if held:
+            log(f"--no-resume: removed {', '.join(held)} of the run {cfg.out_dir} held")
+        atomic_write_json(state_path, {"config": me, "inputs": inputs, "rounds": []})
+    barrier(d)
+    return []
+
+
 def main(cfg):
     d = init_distributed()
     log = Logger(cfg.out_dir, d).print
@@ -163,15 +208,20 @@ def main(cfg):
     check(task.task_prompts(prompts), f"{cfg.prompts}: the labeller is the built-in task's hidden "
           "reward, which scores only the task's text: pass its prompts (out/task/prompts_*.jsonl)")
     tok = data.load_tokenizer(tokenizer_beside(cfg.sft))
-    # rounds.json: the config and each finished round's counts, so an interrupted run resumes at
-    # its first unfinished round (which dpo.py resumes from its own checkpoint)
+    # what the rounds are trained from: π_ref, its tokenizer and the prompts (rounds.json keeps it)
+    inputs = input_fingerprint({"--sft": cfg.sft, "tokenizer": tokenizer_beside(cfg.sft),
+                                "--prompts": cfg.prompts}, prompts)
     state_path, me = os.path.join(cfg.out_dir, "rounds.json"), asdict(cfg) | {"resume": None}
-    state = json.loads(Path(state_path).read_text()) if os.path.exists(state_path) else {}
-    rounds = state.get("rounds", []) if cfg.resume and state.get("config") == me else []
+    rounds = resume_rounds(cfg, state_path, me, inputs, d, log)
     for r in range(cfg.rounds):
         folder, pairs_path, pc, dc = round_configs(cfg, r)
         if r < len(rounds):
             log(f"round {r + 1}/{cfg.rounds}: done ({folder})")
+            # the last round is the one evaluated on --val_prompts: one that was not the last of
+            # the run that trained it is evaluated now (dpo.py resumes it at its last step)
+            if r == cfg.rounds - 1 and cfg.val_prompts and "val" not in json.loads(
+                    Path(dc.out_dir, "eval.json").read_text()):
+                dpo.main(dc)
             continue
         # -- sample and label: a batch job between rounds, from the policy the last round saved
         policy = load_model(dc.init or cfg.sft, d.device)[0].eval()
@@ -195,8 +245,9 @@ def main(cfg):
                            **{k: ev.get(k) for k in ("true_reward", "kl", "eos_rate",
                                                      "top_word_rate")}))
         if d.is_main:
-            atomic_write_json(state_path, {"config": me, "rounds": rounds})
+            atomic_write_json(state_path, {"config": me, "inputs": inputs, "rounds": rounds})
         barrier(d)
+    rounds = rounds[:cfg.rounds]  # a run of more rounds left more: this one ends at --rounds
 
     # ==== outputs: the last round's policy and evaluation, with the rounds' counts
     last = round_configs(cfg, cfg.rounds - 1)[3].out_dir

@@ -183,11 +183,15 @@ def main(cfg):
     model = wrap(model, d, fsdp=cfg.fsdp)  # sharded with --fsdp (frozen: no DDP otherwise)
     check(cfg.max_len <= model.config.block_size,
           f"--max_len {cfg.max_len} > π_ref's block_size {model.config.block_size}")
+    splits = []  # both files read and checked before either cache file is written
     for split, pairs in (("train", cfg.train_pairs), ("val", cfg.val_pairs)):
         rows = data.read_pairs(pairs)
         examples, stats = data.tokenize_pairs(tok, rows, cfg.max_len, cfg.max_prompt_len, pairs)
         check(examples, f"{pairs} has no usable pair: in each row chosen and rejected are "
               f"identical once cut to --max_len {cfg.max_len} tokens")
+        splits.append((split, rows, examples, stats))
+    for split, rows, examples, stats in splits:
+        pairs = cfg.train_pairs if split == "train" else cfg.val_pairs
         warn = data.truncation_warning(stats, pairs, cfg.max_len)
         if warn:
             log(warn)

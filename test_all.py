@@ -20,9 +20,9 @@ from types import SimpleNamespace
 
 from tests import helpers  # first: it pins the suite to the CPU before torch is imported
 from tests.helpers import (CPU, DPO_TOL, ROOT, TWO_RANK_TOL, as_flags, dpo_cfg, dpo_metrics,
-                           dpo_pcfg, dpo_weights, read_metrics, reward_args, run_torchrun,
-                           run_whole, saved_weights, sft_args, tiny_gpt, tiny_ppo_config,
-                           tiny_reward_config, torchrun, torchrun_env)
+                           dpo_pcfg, dpo_weights, iterative_cfg, read_metrics, reward_args,
+                           run_torchrun, run_whole, saved_weights, sft_args, tiny_gpt,
+                           tiny_ppo_config, tiny_reward_config, torchrun, torchrun_env)
 
 import pytest
 import torch
@@ -1804,16 +1804,6 @@ def test_oracle_labels_are_the_same_on_any_world_size_and_tie_only_identical_com
 # iterative DPO: each round's cache equals a live reference on its pairs, the rounds chain their
 # policies, two ranks sample what one process samples (iterative_dpo.py, dpo.py --init)
 # ==================================================================================================
-
-def iterative_cfg(tiny, name, **kw):
-    base = dict(out_dir=str(tiny.root / name), sft=f"{tiny.sft}/model.safetensors",
-                prompts=f"{tiny.task}/prompts_train.jsonl",
-                val_pairs=str(tiny.root / "dpo-data/pairs_val.jsonl"),
-                test_prompts=str(tiny.root / "dpo-data/prompts_test.jsonl"),
-                rounds=2, pairs=32, steps=2, batch_size=16, micro_batch_size=16, eval_k=1,
-                beta=0.1)
-    return iterative_dpo.Config(**{**base, **kw})
-
 
 def test_dpo_init_starts_the_policy_at_the_given_weights(tiny, dpo_cache):
     # at π_ref every step-1 margin is 0 (test_step_zero_policy_equals_reference); --init at a

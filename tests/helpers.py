@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 
 import data
 import dpo
+import iterative_dpo
 import ppo
 import precompute
 import reward
@@ -321,6 +322,18 @@ def dpo_cfg(tiny, name, **kw):
 
 
 dpo_metrics, dpo_weights = read_metrics, saved_weights  # the DPO tests' names for the same reads
+
+
+def iterative_cfg(tiny, name, **kw):
+    """iterative_dpo.py on the tiny stack (after the dpo_cache fixture): 2 rounds of 32 pairs and 2
+    steps each."""
+    base = dict(out_dir=str(tiny.root / name), sft=f"{tiny.sft}/model.safetensors",
+                prompts=f"{tiny.task}/prompts_train.jsonl",
+                val_pairs=str(tiny.root / "dpo-data/pairs_val.jsonl"),
+                test_prompts=str(tiny.root / "dpo-data/prompts_test.jsonl"),
+                rounds=2, pairs=32, steps=2, batch_size=16, micro_batch_size=16, eval_k=1,
+                beta=0.1)
+    return iterative_dpo.Config(**{**base, **kw})
 
 
 # Two ranks against one process, reward.py and ppo.py alike: the same global batches and the same

@@ -364,6 +364,7 @@ def test_a_val_file_without_a_usable_pair_is_refused_before_training(tiny, dpo_c
     with pytest.raises(SystemExit, match=says):
         precompute.main(precompute.Config(out_dir=str(tmp_path / "cache"), train_pairs=train,
                                           ref_model=f"{tiny.sft}/model.safetensors", val_pairs=val))
+    assert not os.path.exists(tmp_path / "cache" / "train.safetensors")  # nor the train split's
 
 
 def test_too_little_data_says_how_much_there_is(tiny, dpo_cache, tmp_path):

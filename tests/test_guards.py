@@ -104,6 +104,36 @@ def test_iterative_rounds_draw_their_own_prompts_tokens_and_labels(tiny, monkeyp
     assert set(labels1).isdisjoint(labels2)
 
 
+def test_iterative_batches_of_a_round_draw_their_own_prompts_and_tokens(tiny, monkeypatch):
+    # a scripted sampler, one generate call a batch of 4 prompts: batch 0's completions never end,
+    # batch 1 ends those of its first two prompts, batch 2 all of them, so the round samples 3
+    # batches for its 4 pairs; 16 distinct prompts, so each batch can take prompts of its own
+    drawn = dict(uniforms=[], prompts=[], labels=[])
+    monkeypatch.setattr(iterative_dpo, "generate", lambda policy, rows, *a, uniforms: (
+        drawn["uniforms"].append(uniforms.clone()) or [len(drawn["uniforms"]) - 1] * len(rows)))
+    monkeypatch.setattr(iterative_dpo, "score_completions", lambda out, prompts, *a: (
+        drawn["prompts"].append(prompts[::2]) or [f"text {out[0]}.{i}" for i in range(8)],
+        torch.tensor([[False] * 8, [True] * 4 + [False] * 4, [True] * 8][out[0]]), None, None))
+    label = tasks.bradley_terry
+    monkeypatch.setattr(tasks, "bradley_terry",
+                        lambda u, *a: drawn["labels"].append(u) or label(u, *a))
+    cfg = iterative_dpo.Config(pairs=4, micro_batch_size=8, seed=7)
+    policy = SimpleNamespace(config=SimpleNamespace(block_size=64))
+    tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
+    prompts = data.read_prompts(f"{tiny.task}/prompts_train.jsonl")[:16]
+    assert len(set(prompts)) == 16
+    pairs, counts = iterative_dpo.sample_pairs(policy, tok, prompts, 1, cfg, CPU)
+    assert counts == dict(labelled=4, sampled=12, unfinished=6, empty=0, identical=0)
+    (p0, p1, p2), (u0, u1, u2) = drawn["prompts"], drawn["uniforms"]
+    # each batch the next 4 prompts of the round's order, not the first batch's again
+    assert len(set(p0 + p1 + p2)) == 12
+    assert [p["prompt"] for p in pairs] == p1[:2] + p2[:2]
+    # each batch its own token uniforms, and none of them the labels' draws
+    draws = [set(u.flatten().tolist()) for u in (u0, u1, u2)] + [set(drawn["labels"])]
+    assert len(drawn["labels"]) == 4
+    assert all(a.isdisjoint(b) for i, a in enumerate(draws) for b in draws[i + 1:])
+
+
 # ==================================================================================================
 # the evaluation keeps the policy's numbers and π_ref's apart (evaluate.evaluate_policy)
 # ==================================================================================================

@@ -22,6 +22,8 @@ from safetensors.torch import load_file
 
 import checkpoint
 import dpo
+import grpo
+import iterative_dpo
 import online_dpo
 import plumbing
 import ppo
@@ -29,8 +31,9 @@ import precompute
 import reward
 import sft
 from model import GPT, GPTConfig, load_model, save_model
-from tests.helpers import (CPU, ROOT, dpo_cfg, dpo_metrics, dpo_pcfg, run_torchrun, run_whole,
-                           sft_args, tiny_ppo_config, tiny_reward_config, torchrun, torchrun_env)
+from tests.helpers import (CPU, ROOT, dpo_cfg, dpo_metrics, dpo_pcfg, iterative_cfg, run_torchrun,
+                           run_whole, sft_args, tiny_ppo_config, tiny_reward_config, torchrun,
+                           torchrun_env)
 
 
 # ==================================================================================================
@@ -310,6 +313,146 @@ def test_stale_cache_is_refused(tiny, dpo_cache):
     with pytest.raises(SystemExit, match=re.escape("the tokenizer (not recorded: an older version "
                                                    "wrote this cache)")):
         dpo.main(cfg)
+
+
+# ==================================================================================================
+# a refused resume changes nothing: the original command then finishes as if never interrupted
+# (dpo.py, ppo.py, grpo.py, online_dpo.py, iterative_dpo.py)
+# ==================================================================================================
+
+def files_of(folder):
+    """Every file under `folder` and its bytes, but the lock (it names the last process there)."""
+    return {os.path.relpath(os.path.join(root, f), folder): open(os.path.join(root, f), "rb").read()
+            for root, _, names in os.walk(folder) for f in names if f != ".lock"}
+
+
+def refused_changes_nothing(main, cfg, says):
+    """main(cfg), a changed config on a folder a run left, stops saying `says`, and leaves it so."""
+    before = files_of(cfg.out_dir)
+    with pytest.raises(SystemExit, match=says):
+        main(cfg)
+    assert files_of(cfg.out_dir) == before
+
+
+def same_outputs(a, b):
+    """Two runs' outputs bit for bit: the weights, and eval.json but for its wall-clock shares."""
+    wa, wb = (load_file(os.path.join(x, "model.safetensors")) for x in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ea, eb = ({k: v for k, v in json.loads(open(os.path.join(x, "eval.json")).read()).items()
+               if k != "time_shares"} for x in (a, b))
+    assert ea == eb
+
+
+def four_test_prompts(tiny, tmp_path):
+    path = tmp_path / "test_prompts.jsonl"
+    path.write_text("".join(open(f"{tiny.task}/prompts_test.jsonl").readlines()[:4]))
+    return str(path)
+
+
+def test_dpo_refused_resume_changes_nothing(tiny, dpo_cache, tmp_path, monkeypatch):
+    # --ref_logps at its default: the cache of other pairs is built when missing, here under
+    # tmp_path/out/ref_logps; a refused run must not build one
+    monkeypatch.chdir(tmp_path)
+    rows = open(f"{tiny.root}/dpo-data/pairs_train.jsonl").readlines()
+    (tmp_path / "a.jsonl").write_text("".join(rows[:32]))
+    (tmp_path / "b.jsonl").write_text("".join(rows[32:64]))
+    full = dpo_cfg(tiny, "unused", out_dir=str(tmp_path / "full"), ref_logps=dpo.Config.ref_logps,
+                   train_pairs=str(tmp_path / "a.jsonl"), steps=2)
+    part = replace(full, out_dir=str(tmp_path / "part"))
+    dpo.main(full)
+    dpo.main(replace(part, stop_after=1))
+    caches = files_of("out/ref_logps")
+    refused_changes_nothing(dpo.main, replace(part, lr=3e-3), r"another config \(lr 0.001 -> ")
+    refused_changes_nothing(dpo.main, replace(part, train_pairs=str(tmp_path / "b.jsonl")),
+                            r"another config \(train_pairs .*a.jsonl -> .*b.jsonl\)")
+    assert files_of("out/ref_logps") == caches  # no cache built for b.jsonl
+    dpo.main(part)
+    same_outputs(full.out_dir, part.out_dir)
+
+
+def test_ppo_refused_resume_changes_nothing(tiny, tiny_rm, ppo_test_prompts, tmp_path):
+    rm = str(tiny_rm / "model.safetensors")
+    full, part = (tiny_ppo_config(tiny, rm, tmp_path / n, ppo_test_prompts, reward="true",
+                                  iterations=2) for n in ("full", "part"))
+    ppo.main(full)
+    ppo.main(replace(part, stop_after=1))
+    refused_changes_nothing(ppo.main, replace(part, kl_coef=0.3), r"another config \(kl_coef ")
+    ppo.main(part)
+    same_outputs(full.out_dir, part.out_dir)
+
+
+def test_grpo_refused_resume_changes_nothing(tiny, tmp_path):
+    test_prompts = four_test_prompts(tiny, tmp_path)
+    cfg = lambda n: grpo.Config(  # noqa: E731
+        out_dir=str(tmp_path / n), sft=f"{tiny.sft}/model.safetensors", reward="true",
+        reward_model="", prompts=f"{tiny.task}/prompts_train.jsonl", test_prompts=test_prompts,
+        iterations=2, rollout_batch=8, group_size=4, mini_batch=4, micro_batch_size=4, eval_k=1)
+    full, part = cfg("full"), cfg("part")
+    grpo.main(full)
+    grpo.main(replace(part, stop_after=1))
+    refused_changes_nothing(grpo.main, replace(part, group_size=2), r"another config \(group_size")
+    grpo.main(part)
+    same_outputs(full.out_dir, part.out_dir)
+
+
+def test_online_dpo_refused_resume_changes_nothing(tiny, tmp_path):
+    test_prompts = four_test_prompts(tiny, tmp_path)
+    cfg = lambda n: online_dpo.Config(  # noqa: E731
+        out_dir=str(tmp_path / n), sft=f"{tiny.sft}/model.safetensors", reward="true",
+        reward_model="", prompts=f"{tiny.task}/prompts_train.jsonl", test_prompts=test_prompts,
+        iterations=2, rollout_batch=8, micro_batch_size=4, eval_k=1)
+    full, part = cfg("full"), cfg("part")
+    online_dpo.main(full)
+    online_dpo.main(replace(part, stop_after=1))
+    refused_changes_nothing(online_dpo.main, replace(part, seed=7), r"another config \(seed 1337 ")
+    online_dpo.main(part)
+    same_outputs(full.out_dir, part.out_dir)
+
+
+def test_iterative_refused_resume_changes_nothing_and_more_rounds_reuse_the_done(
+        tiny, dpo_cache, monkeypatch):
+    full = iterative_cfg(tiny, "iterative-refused/full",
+                         val_prompts=str(tiny.root / "dpo-data/prompts_val.jsonl"))
+    part = replace(full, out_dir=str(tiny.root / "iterative-refused/part"), rounds=1)
+    iterative_dpo.main(full)
+    train = dpo.main
+
+    def killed_after_a_step(c):  # the round's pairs, its cache and a checkpoint at step 1 left
+        train(replace(c, stop_after=1))
+        raise KeyboardInterrupt
+    # 1 round, killed in it; then 2 rounds (only --rounds raised: round 1 done), killed in round 2.
+    # After each kill another seed, or pairs of another size, is refused before a round's pairs
+    # are sampled again, and the original command finishes as the uninterrupted run.
+    for rounds in (1, 2):
+        monkeypatch.setattr(dpo, "main", killed_after_a_step)
+        with pytest.raises(KeyboardInterrupt):
+            iterative_dpo.main(replace(part, rounds=rounds))
+        monkeypatch.undo()
+        assert checkpoint.checkpoint_state(f"{part.out_dir}/round{rounds}/dpo/ckpt")["step"] == 1
+        for changed, says in ((dict(seed=7), "seed 1337 -> 7"), (dict(pairs=24), "pairs 32 -> 24")):
+            refused_changes_nothing(iterative_dpo.main, replace(part, rounds=rounds, **changed),
+                                    rf"rounds.json holds a run with another config \({says}\); "
+                                    "pass --no-resume to start over, or another --out_dir")
+        iterative_dpo.main(replace(part, rounds=rounds))
+        if rounds == 1:
+            one = json.load(open(f"{part.out_dir}/eval.json"))  # a 1-round run's, with its "val"
+            assert "val" in one
+            r1 = files_of(f"{part.out_dir}/round1")
+    assert files_of(f"{part.out_dir}/round1") == r1  # round 1 not trained again
+    same_outputs(full.out_dir, part.out_dir)
+    for f in ("round1/pairs.jsonl", "round2/pairs.jsonl"):
+        assert open(f"{full.out_dir}/{f}").read() == open(f"{part.out_dir}/{f}").read(), f
+    # back to 1 round: round 1 again, evaluated on the validation prompts as the last round now
+    # (it was not in the 2-round run), with the same weights and no step trained: the 1-round run
+    steps = open(f"{full.out_dir}/round1/dpo/metrics.jsonl").read()
+    iterative_dpo.main(replace(full, rounds=1))
+    assert open(f"{full.out_dir}/round1/dpo/metrics.jsonl").read() == steps
+    assert json.load(open(f"{full.out_dir}/eval.json")) == one
+    # --no-resume starts over: the rounds of the run the folder held are removed, none left to be
+    # taken for the new run's
+    iterative_dpo.main(replace(part, rounds=1, seed=7, resume=False))
+    assert not os.path.exists(f"{part.out_dir}/round2")
+    assert json.load(open(f"{part.out_dir}/rounds.json"))["config"]["seed"] == 7
 
 
 # ==================================================================================================
