@@ -1527,6 +1527,49 @@ def test_grpo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_test_prompts, tmp_p
     assert set(eb["time_shares"]) == set(grpo.PHASES)
 
 
+def test_grpo_default_loss_has_its_kl_term_and_the_oracle_draws_its_own_uniforms(
+        tiny, tmp_path, monkeypatch):
+    # Two iterations with kl_coef left at its default, watched. Every loss the update takes is the
+    # clipped surrogate plus β times the mean k3, with DeepSeekMath's β = 0.04 (Shao et al. 2024,
+    # sec. 4.2), and that term is not 0 once the policy has moved off π_ref (lr 3e-3). --reward
+    # oracle: the Bradley-Terry labels' uniforms share no value with the sampling's, a stream of
+    # their own, not the tokens' uniforms read again.
+    losses, draws = [], []
+    real_loss, real_oracle, real_generate = grpo.grpo_loss, grpo.oracle_scores, ppo.generate
+
+    def spy_loss(*a):
+        out = real_loss(*a)
+        losses.append(([x.detach() if torch.is_tensor(x) else x for x in a], out[0].detach()))
+        return out
+
+    def spy_generate(*a, uniforms=None, **kw):
+        draws.append({"U": uniforms})
+        return real_generate(*a, uniforms=uniforms, **kw)
+
+    def spy_oracle(true, u, group_size):
+        draws[-1]["u"] = u
+        return real_oracle(true, u, group_size)
+    monkeypatch.setattr(grpo, "grpo_loss", spy_loss)
+    monkeypatch.setattr(ppo, "generate", spy_generate)
+    monkeypatch.setattr(grpo, "oracle_scores", spy_oracle)
+    grpo.main(tiny_grpo_config(tiny, "", tmp_path / "grpo", f"{tiny.task}/prompts_test.jsonl",
+                               reward="oracle", lr=3e-3, iterations=3, stop_after=2))  # no eval
+    assert len(draws) == 2 and len(losses) == 2 * 2 * 2 * 2  # iterations, epochs, minibatches,
+    for d in draws:  # micro-steps
+        assert d["u"].numel() == 2 * 4 * 4 and d["U"].numel() > d["u"].numel()
+        assert not set(d["u"].flatten().tolist()) & set(d["U"].flatten().tolist())
+    terms = []
+    for (logp, old, ref, adv, mask, eps, _, n), loss in losses:
+        log_r = torch.where(mask, ref - logp, 0.0)
+        k3 = torch.where(mask, log_r.exp() - log_r - 1, 0.0)  # (π_ref/π) - log(π_ref/π) - 1
+        term = 0.04 * (k3.sum(1) / mask.sum(1)).sum() / n
+        surrogate = real_loss(logp, old, ref, adv, mask, eps, 0.0, n)[0]
+        torch.testing.assert_close(loss, surrogate + term, rtol=1e-5, atol=1e-8)
+        terms.append(term.item())
+    # π is π_ref until the first step (k3 0), then every loss carries the term
+    assert max(terms[:2]) < 1e-8 and min(terms[2:]) > 1e-5
+
+
 def test_grpo_resumed_equals_uninterrupted(tiny, tiny_rm, ppo_test_prompts, tmp_path):
     rm = str(tiny_rm / "model.safetensors")
     for name, extra in [("full", {}), ("split", {"stop_after": 2})]:
