@@ -47,7 +47,7 @@ from model import freeze, load_model, sequence_logprobs
 from plumbing import (Logger, SEED_STRIDE, all_reduce_sum, autocast, barrier, broadcast_weights,
                       check, init_distributed, lr_at, parse_config, precision, require_stage,
                       set_lr, sharded, split_batch, sync_grads, teardown, wrap)
-from ppo import MAX_APPROX_KL, kl_estimators, msum, replies, sample
+from ppo import MAX_APPROX_KL, gather_rollouts, kl_estimators, msum, replies, sample
 from ppo import score as ppo_score
 from task import bradley_terry, require_task, true_reward
 
@@ -371,20 +371,23 @@ def experience(models, prompts, texts, it, cfg, d, tok, meter):
 
 
 def update(models, opt, ex, it, accum, cfg, d, meter, ckpt_dir):
-    """ppo_epochs passes over the rollouts, each over n_mini shuffled minibatches: one optimizer
-    step each (ppo.py's loop). Each loss is a mean over its global minibatch's completions
-    (mini_batch of them, on any world size; DDP then averages the ranks' gradients, hence the
-    x world below). Returns the last step's grad norm."""
-    P, tokens, mask, full, rmask = ex["P"], ex["tokens"], ex["mask"], ex["full"], ex["rmask"]
-    plen, rlen = mask[:, :P].sum(1), rmask.sum(1)  # (B,) prompt and response tokens
-    B, n_mini = len(tokens), cfg.rollout_batch // cfg.mini_batch
-    mini = B // n_mini  # this rank's rollouts per minibatch
-    micro_batch = mini // accum  # and per forward
+    """ppo_epochs passes over the global batch's completions, each over n_mini shuffled
+    minibatches: one optimizer step each (ppo.py's loop: every rank holds the whole batch, so
+    minibatch j is the same completions on any world size, each rank running its share). Each loss
+    is a mean over its global minibatch's completions (mini_batch of them, on any world size; DDP
+    then averages the ranks' gradients, hence the x world below). Returns the last step's grad
+    norm."""
+    g = gather_rollouts(ex, ("tokens", "mask", "full", "rmask", "old_logp", "ref_logp", "adv"), d)
+    P, tokens, mask, full, rmask = g["P"], g["tokens"], g["mask"], g["full"], g["rmask"]
+    plen, rlen = mask[:, :P].sum(1), rmask.sum(1)  # (R,) prompt and response tokens
+    R, n_mini = cfg.rollout_batch, cfg.rollout_batch // cfg.mini_batch
+    micro_batch = cfg.mini_batch // d.world // accum  # a rank's completions per forward
     gp = torch.Generator().manual_seed(cfg.seed + SEED_STRIDE * it)
-    perms = [torch.randperm(B, generator=gp).to(d.device) for _ in range(cfg.ppo_epochs)]
+    perms = [torch.randperm(R, generator=gp).to(d.device) for _ in range(cfg.ppo_epochs)]
     for e, j in itertools.product(range(cfg.ppo_epochs), range(n_mini)):
-        rows = perms[e][j * mini:(j + 1) * mini]
+        rows = perms[e][j * cfg.mini_batch:(j + 1) * cfg.mini_batch]
         rows = rows[rlen[rows].argsort(descending=True, stable=True)]  # ppo.py's micro-batches
+        rows = data.rank_slice(rows, d.rank, d.world)  # cut after the sort, as ppo.py
         for m in range(accum):
             r = rows[m * micro_batch:(m + 1) * micro_batch]
             lo, n = P - int(plen[r].max()), int(rlen[r].max())  # its columns: lo .. P+n-1
@@ -397,7 +400,7 @@ def update(models, opt, ex, it, accum, cfg, d, meter, ckpt_dir):
                 meter.lap("policy_forward")
                 # -- loss: the clipped surrogate with the group advantage + β·k3 (Eq. 3)
                 loss, clipfrac, approx_kl, kl = grpo_loss(
-                    logp, ex["old_logp"][r, :n], ex["ref_logp"][r, :n], ex["adv"][r],
+                    logp, g["old_logp"][r, :n], g["ref_logp"][r, :n], g["adv"][r],
                     rmask[r, :n], cfg.cliprange, cfg.kl_coef, cfg.mini_batch)
                 (loss * d.world).backward()
                 meter.lap("loss")  # the backward included

@@ -113,6 +113,16 @@ def all_reduce_sum(t, d):
     return t
 
 
+def all_gather_rows(t, d):
+    """Every rank's t (the same shape on each), concatenated along dim 0 in rank order: rank r's
+    rows follow rank r-1's, as data.rank_slice cut the global batch. t itself in one process."""
+    if d.world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(d.world)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
 def reduce_sums(d, **sums):
     """Named sums over ranks in one all-reduce, in fp64 so that counts stay exact: each value is
     this rank's sum (tensor or number); reduce_sums(d, loss=..., n=...) -> {"loss": .., "n": ..}."""

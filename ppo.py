@@ -36,9 +36,9 @@ from evaluate import evaluate_held_out, print_samples, summary
 from meter import (Meter, anatomy, estimate_flops, format_anatomy, generate_flops, matmul_shapes,
                    measure_peak_flops, model_flops)
 from model import IGNORE, freeze, generate, last_index, load_model, score_at_last, sequence_logprobs
-from plumbing import (Logger, SEED_STRIDE, all_reduce_sum, autocast, barrier, broadcast_weights,
-                      check, init_distributed, lr_at, parse_config, precision, require_stage,
-                      set_lr, sharded, split_batch, sync_grads, teardown, wrap)
+from plumbing import (Logger, SEED_STRIDE, all_gather_rows, all_reduce_sum, autocast, barrier,
+                      broadcast_weights, check, init_distributed, lr_at, parse_config, precision,
+                      require_stage, set_lr, sharded, split_batch, sync_grads, teardown, wrap)
 from task import require_task, true_reward
 
 # ==== config
@@ -244,6 +244,25 @@ def forward_flops(ro, policy, critic, reward_model):
         hardware += estimate_flops(reward_model.config, B, L)
         model += model_flops(reward_model.config, real, B)
     return hardware, model
+
+
+def gather_rollouts(ex, keys, d):
+    """Every rank's rollouts in one batch of R rows, rank r's as rows r*B..(r+1)*B-1 (its
+    data.rank_slice of the global batch): update() draws its minibatches from it, so that minibatch
+    j holds the same rollouts on any world size. generate pads each rank's rows to its own longest
+    prompt P and response N; here they are padded further, prompt columns on the left and response
+    columns on the right, to the longest of all ranks: the columns one process would have. keys:
+    the tensors to gather, (B, P+N), (B, N) or (B,); their padding is masked (full: IGNORE)."""
+    P, N = ex["P"], ex["tokens"].shape[1] - ex["P"]
+    Pg, Ng = all_gather_rows(torch.tensor([[P, N]], device=d.device), d).max(0).values.tolist()
+    out = {"P": Pg}
+    for k in keys:
+        t = ex[k]
+        left = Pg - P if t.dim() == 2 and t.shape[1] == P + N else 0  # has prompt columns
+        if t.dim() == 2:
+            t = F.pad(t, (left, Ng - N), value=IGNORE if k == "full" else 0)
+        out[k] = all_gather_rows(t, d)
+    return out
 
 
 def update_flops(models, n_t, lens, rows, width):
@@ -485,25 +504,27 @@ def experience(models, prompts, texts, it, kl_coef, cfg, d, tok, meter):
 
 
 def update(models, opt, ex, it, accum, cfg, d, meter, ckpt_dir):
-    """ppo_epochs passes over the rollouts, each over n_mini shuffled minibatches: one optimizer
-    step each. Each loss is a mean over its global minibatch's response tokens, for any world size
-    and accumulation: count them over the ranks first (DDP then averages the ranks' gradients,
-    hence the x world below). Returns the last step's grad norm."""
-    P, tokens, mask, full, rmask = ex["P"], ex["tokens"], ex["mask"], ex["full"], ex["rmask"]
-    plen, rlen = mask[:, :P].sum(1), rmask.sum(1)  # (B,) prompt and response tokens
-    B, n_mini = len(tokens), cfg.rollout_batch // cfg.mini_batch
-    mini = B // n_mini  # this rank's rollouts per minibatch
-    micro_batch = mini // accum  # and per forward
+    """ppo_epochs passes over the global batch's rollouts, each over n_mini shuffled minibatches:
+    one optimizer step each. Every rank holds the whole batch (gather_rollouts), so minibatch j is
+    the same rollouts on any world size, and each rank runs its share of it. Each loss is a mean
+    over its global minibatch's response tokens, for any world size and accumulation (DDP then
+    averages the ranks' gradients, hence the x world below). Returns the last step's grad norm."""
+    g = gather_rollouts(ex, ("tokens", "mask", "full", "rmask", "old_logp", "adv", "old_values",
+                             "returns"), d)
+    P, tokens, mask, full, rmask = g["P"], g["tokens"], g["mask"], g["full"], g["rmask"]
+    plen, rlen = mask[:, :P].sum(1), rmask.sum(1)  # (R,) prompt and response tokens
+    R, n_mini = cfg.rollout_batch, cfg.rollout_batch // cfg.mini_batch
+    micro_batch = cfg.mini_batch // d.world // accum  # a rank's rollouts per forward
     gp = torch.Generator().manual_seed(cfg.seed + SEED_STRIDE * it)
-    perms = [torch.randperm(B, generator=gp).to(d.device) for _ in range(cfg.ppo_epochs)]
-    n_tok = torch.stack([rmask[p[j * mini:(j + 1) * mini]].sum() for p in perms
-                         for j in range(n_mini)]).float()
-    n_tok = all_reduce_sum(n_tok, d).view(cfg.ppo_epochs, n_mini)
+    perms = [torch.randperm(R, generator=gp).to(d.device) for _ in range(cfg.ppo_epochs)]
     for e, j in itertools.product(range(cfg.ppo_epochs), range(n_mini)):
-        rows = perms[e][j * mini:(j + 1) * mini]
+        rows = perms[e][j * cfg.mini_batch:(j + 1) * cfg.mini_batch]
+        n_tok = rmask[rows].sum().float()  # the global minibatch's response tokens
         # micro-batches of similar response lengths, each cut to its own longest prompt (left)
-        # and response (right): the minibatch, and so its loss, is the same; padding is not
+        # and response (right): the minibatch, and so its loss, is the same; padding is not.
+        # Sorted before the ranks take their shares: the micro-batches are one process's
         rows = rows[rlen[rows].argsort(descending=True, stable=True)]
+        rows = data.rank_slice(rows, d.rank, d.world)
         for m in range(accum):
             r = rows[m * micro_batch:(m + 1) * micro_batch]
             lo, n = P - int(plen[r].max()), int(rlen[r].max())  # its columns: lo .. P+n-1
@@ -517,11 +538,11 @@ def update(models, opt, ex, it, accum, cfg, d, meter, ckpt_dir):
                 meter.lap("policy_forward")
                 # -- loss: the clipped surrogate + vf_coef · the clipped value loss
                 pg, clipfrac, approx_kl = ppo_policy_loss(
-                    logp, ex["old_logp"][r, :n], ex["adv"][r, :n], rmask[r, :n], cfg.cliprange,
-                    n_tok[e, j])
-                vf, vf_clipfrac = ppo_value_loss(values, ex["old_values"][r, :n],
-                                                 ex["returns"][r, :n], rmask[r, :n],
-                                                 cfg.cliprange_value, n_tok[e, j])
+                    logp, g["old_logp"][r, :n], g["adv"][r, :n], rmask[r, :n], cfg.cliprange,
+                    n_tok)
+                vf, vf_clipfrac = ppo_value_loss(values, g["old_values"][r, :n],
+                                                 g["returns"][r, :n], rmask[r, :n],
+                                                 cfg.cliprange_value, n_tok)
                 ((pg + cfg.vf_coef * vf) * d.world).backward()
                 meter.lap("loss")  # the backward included
             meter.count(*update_flops(models, int(rlen[r].sum()), plen[r] + rlen[r], len(r),

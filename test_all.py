@@ -1178,30 +1178,32 @@ def test_reward_resumed_equals_uninterrupted(tiny, dpo_cache, tmp_path):
 
 def test_ppo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_test_prompts):
     root, rm = tiny.root / "ppo-test", str(tiny_rm / "model.safetensors")
-    # One iteration of 2 epochs over one minibatch (whose rows are then the same on any world
-    # size): 1 process x 4 micro-steps of 2 rollouts, 2 ranks x 2. lr 3e-3: the second epoch
-    # clips some ratios, so clipfrac and approx_kl are not 0 and their normalisation shows (at
-    # 1e-3 no ratio left [0.8, 1.2]: approx_kl 5.4e-4, clipfrac 0).
-    one = tiny_ppo_config(tiny, rm, root / "ppo1", ppo_test_prompts, iterations=1, mini_batch=8,
-                          lr=3e-3)
+    # Two iterations of 2 epochs over 2 minibatches of 4 rollouts: 1 process x 4 micro-steps of 1,
+    # 2 ranks x 2. Minibatch j must be the same 4 rollouts on any world size, though each rank
+    # rolled out only half of the 8. lr 3e-3: the second epoch clips some ratios, so clipfrac
+    # and approx_kl are not 0 and their normalisation shows (at 1e-3 no ratio left [0.8, 1.2]).
+    one = tiny_ppo_config(tiny, rm, root / "ppo1", ppo_test_prompts, iterations=2, mini_batch=4,
+                          micro_batch_size=1, lr=3e-3)
     ppo.main(one)
     two = replace(one, out_dir=str(root / "ppo2"))
     run_torchrun("ppo.py", [f"--{k}={v}" for k, v in vars(two).items() if not isinstance(v, bool)])
-    (a,), (b,) = read_metrics(one.out_dir), read_metrics(two.out_dir)
-    # the same rollouts: each one's tokens come from its own row of uniforms, on any rank
-    for k in ("response_len", "eos_rate", "true_reward"):
-        assert a[k] == b[k], k
-    assert 0 < a["eos_rate"] < 1 and a["clipfrac"] > 0 and a["approx_kl"] > 1e-4
-    for k in ("score", "entropy", "kl", "loss/policy", "loss/value", "approx_kl", "clipfrac",
-              "explained_variance", "grad_norm"):
-        assert abs(a[k] - b[k]) <= TWO_RANK_TOL * max(1, abs(a[k])), k
+    rows_one, rows_two = read_metrics(one.out_dir), read_metrics(two.out_dir)
+    assert [a["step"] for a in rows_one] == [b["step"] for b in rows_two] == [1, 2]
+    for a, b in zip(rows_one, rows_two):
+        # the same rollouts: each one's tokens come from its own row of uniforms, on any rank
+        for k in ("response_len", "eos_rate", "true_reward"):
+            assert a[k] == b[k], k
+        assert 0 < a["eos_rate"] < 1 and a["clipfrac"] > 0 and a["approx_kl"] > 1e-4
+        for k in ("score", "entropy", "kl", "loss/policy", "loss/value", "approx_kl", "clipfrac",
+                  "explained_variance", "grad_norm"):
+            assert abs(a[k] - b[k]) <= TWO_RANK_TOL * max(1, abs(a[k])), (a["step"], k)
     ea, eb = (json.loads(open(os.path.join(c.out_dir, "eval.json")).read()) for c in (one, two))
     assert set(eb["time_shares"]) == set(ppo.PHASES)
     # π_ref's side of the evaluation does not depend on the update: the same completions, exactly
     for k in ("ref_true_reward", "ref_eos_rate", "ref_response_len", "ref_true_reward_finished"):
         assert ea[k] == eb[k], k
     # the policy's KL after the update: a sum of ~45 tokens' log-ratios under weights that went
-    # through two Adam steps (lr 1e-3) on each side; measured 5.6e-6 relative
+    # through eight Adam steps (lr 3e-3) on each side; measured 1.3e-6 relative
     assert abs(ea["kl"] - eb["kl"]) <= 1e-4 * max(1, abs(ea["kl"]))
 
 
@@ -1501,23 +1503,71 @@ def test_grpo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, t
 def test_grpo_two_ranks_equal_one_process(tiny, tiny_rm, ppo_test_prompts, tmp_path):
     # 12 completions in groups of 4: rank 0 holds group 1 and half of group 2, so the group
     # baselines must read the other rank's scores. The oracle's draws compare within groups too.
-    # One minibatch, 2 epochs, lr 3e-3: the second epoch clips, so the clip's normalisation shows.
+    # Two iterations of 2 epochs over 3 minibatches of 4 (1 process x 4 micro-steps of 1, 2 ranks
+    # x 2): minibatch j must be the same completions on any world size, though each rank sampled
+    # only its 6. lr 3e-3: the second epoch clips, so the clip's normalisation shows.
     rm = str(tiny_rm / "model.safetensors")
-    one = tiny_grpo_config(tiny, rm, tmp_path / "grpo1", ppo_test_prompts, iterations=1,
-                           rollout_batch=12, mini_batch=12, reward="oracle", lr=3e-3)
+    one = tiny_grpo_config(tiny, rm, tmp_path / "grpo1", ppo_test_prompts, iterations=2,
+                           rollout_batch=12, mini_batch=4, micro_batch_size=1, reward="oracle",
+                           lr=3e-3)
     grpo.main(one)
     two = replace(one, out_dir=str(tmp_path / "grpo2"))
     run_torchrun("grpo.py", [f"--{k}={v}" for k, v in vars(two).items() if not isinstance(v, bool)])
-    (a,), (b,) = read_metrics(one.out_dir), read_metrics(two.out_dir)
-    for k in ("response_len", "eos_rate", "true_reward"):  # the same rollouts
-        assert a[k] == b[k], k
-    assert a["clipfrac"] > 0 and a["approx_kl"] > 1e-4
-    assert a["score"] == pytest.approx(0.5)  # the oracle's: each pair of a group gives one win
-    for k in ("score", "adv_abs", "entropy", "kl", "loss/policy", "loss/kl", "approx_kl",
-              "clipfrac", "grad_norm"):
-        assert abs(a[k] - b[k]) <= TWO_RANK_TOL * max(1, abs(a[k])), k
+    rows_one, rows_two = read_metrics(one.out_dir), read_metrics(two.out_dir)
+    assert [a["step"] for a in rows_one] == [b["step"] for b in rows_two] == [1, 2]
+    for a, b in zip(rows_one, rows_two):
+        for k in ("response_len", "eos_rate", "true_reward"):  # the same rollouts
+            assert a[k] == b[k], k
+        assert a["clipfrac"] > 0 and a["approx_kl"] > 1e-4
+        assert a["score"] == pytest.approx(0.5)  # the oracle's: each pair of a group, one win
+        for k in ("score", "adv_abs", "entropy", "kl", "loss/policy", "loss/kl", "approx_kl",
+                  "clipfrac", "grad_norm"):
+            assert abs(a[k] - b[k]) <= TWO_RANK_TOL * max(1, abs(a[k])), (a["step"], k)
     eb = json.loads(open(os.path.join(two.out_dir, "eval.json")).read())
     assert set(eb["time_shares"]) == set(grpo.PHASES)
+
+
+def test_grpo_default_loss_has_its_kl_term_and_the_oracle_draws_its_own_uniforms(
+        tiny, tmp_path, monkeypatch):
+    # Two iterations with kl_coef left at its default, watched. Every loss the update takes is the
+    # clipped surrogate plus β times the mean k3, with DeepSeekMath's β = 0.04 (Shao et al. 2024,
+    # sec. 4.2), and that term is not 0 once the policy has moved off π_ref (lr 3e-3). --reward
+    # oracle: the Bradley-Terry labels' uniforms share no value with the sampling's, a stream of
+    # their own, not the tokens' uniforms read again.
+    losses, draws = [], []
+    real_loss, real_oracle, real_generate = grpo.grpo_loss, grpo.oracle_scores, ppo.generate
+
+    def spy_loss(*a):
+        out = real_loss(*a)
+        losses.append(([x.detach() if torch.is_tensor(x) else x for x in a], out[0].detach()))
+        return out
+
+    def spy_generate(*a, uniforms=None, **kw):
+        draws.append({"U": uniforms})
+        return real_generate(*a, uniforms=uniforms, **kw)
+
+    def spy_oracle(true, u, group_size):
+        draws[-1]["u"] = u
+        return real_oracle(true, u, group_size)
+    monkeypatch.setattr(grpo, "grpo_loss", spy_loss)
+    monkeypatch.setattr(ppo, "generate", spy_generate)
+    monkeypatch.setattr(grpo, "oracle_scores", spy_oracle)
+    grpo.main(tiny_grpo_config(tiny, "", tmp_path / "grpo", f"{tiny.task}/prompts_test.jsonl",
+                               reward="oracle", lr=3e-3, iterations=3, stop_after=2))  # no eval
+    assert len(draws) == 2 and len(losses) == 2 * 2 * 2 * 2  # iterations, epochs, minibatches,
+    for d in draws:  # micro-steps
+        assert d["u"].numel() == 2 * 4 * 4 and d["U"].numel() > d["u"].numel()
+        assert not set(d["u"].flatten().tolist()) & set(d["U"].flatten().tolist())
+    terms = []
+    for (logp, old, ref, adv, mask, eps, _, n), loss in losses:
+        log_r = torch.where(mask, ref - logp, 0.0)
+        k3 = torch.where(mask, log_r.exp() - log_r - 1, 0.0)  # (π_ref/π) - log(π_ref/π) - 1
+        term = 0.04 * (k3.sum(1) / mask.sum(1)).sum() / n
+        surrogate = real_loss(logp, old, ref, adv, mask, eps, 0.0, n)[0]
+        torch.testing.assert_close(loss, surrogate + term, rtol=1e-5, atol=1e-8)
+        terms.append(term.item())
+    # π is π_ref until the first step (k3 0), then every loss carries the term
+    assert max(terms[:2]) < 1e-8 and min(terms[2:]) > 1e-5
 
 
 def test_grpo_resumed_equals_uninterrupted(tiny, tiny_rm, ppo_test_prompts, tmp_path):
