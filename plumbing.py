@@ -217,7 +217,8 @@ def require_stage(path, default, build, command, d, log):
 #     carries exp(−Δz/T)/T, which underflows as T → 0 (--temperature 1e-12 saved π_ref unchanged).
 #   label_smoothing < 0.5: at 0.5 a label says nothing, above it the labels are flipped.
 #   simpo_gamma ≥ 0: SimPO's target margin (its paper: 0.3 to 1.6); a negative one would count a
-#     pair the policy ranks the wrong way, by less than |γ|, as learned.
+#     pair the policy ranks the wrong way, by less than |γ|, as learned. Its upper bound, β·ln V,
+#     needs π_ref's vocabulary: dpo.setup checks it.
 #   max_len ≥ 3: BOS, one prompt token and one response token.
 AT_LEAST_1 = "[1, inf)"
 FLAG_RANGES = {
@@ -299,6 +300,22 @@ def split_batch(batch_size, micro_batch_size, world):
           f"--batch_size {batch_size} over {world} ranks is {per_rank} rows per rank, "
           f"not a multiple of --micro_batch_size {micro_batch_size}")
     return per_rank // min(micro_batch_size, per_rank)
+
+
+# The fewest tokens that π_ref's block must leave a sampled response past a prompt of
+# --max_prompt_len (ppo.py, grpo.py and online_dpo.py sample into what the prompt leaves): a
+# response is some words and its EOS. A floor, not a setting: with 8, a third of the built-in
+# task's pool responses fit with their EOS (the shortest are 5 tokens with it); with 1, every
+# completion is one token cut before its end, and the loop trains on those.
+MIN_RESPONSE_TOKENS = 8
+
+
+def check_response_room(max_prompt_len, block_size):
+    room = block_size - max_prompt_len
+    check(room >= MIN_RESPONSE_TOKENS, f"--max_prompt_len {max_prompt_len} leaves {room} tokens of "
+          f"π_ref's {block_size}-token block for the response, fewer than {MIN_RESPONSE_TOKENS} "
+          "(plumbing.MIN_RESPONSE_TOKENS: room for some words and their EOS): pass "
+          f"--max_prompt_len {block_size - MIN_RESPONSE_TOKENS} or less")
 
 
 # The folders this process holds locked, by real path, each by the run (its Dist) that took it and
