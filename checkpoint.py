@@ -14,14 +14,14 @@ import shutil
 import tempfile
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 from tokenizers import Tokenizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from plumbing import (atomic_write_text, barrier, check, lock_folder, main_decides, precision,
                       written)
-from model import save_model
+from model import read_meta, save_model
 
 # -----------------------------------------------------------------------------
 # output folders and atomic writes
@@ -281,6 +281,22 @@ def require_same_tokenizer(model_path, flag, tok_path):
           f"{flag} {model_path} was trained with another tokenizer ({theirs}) than π_ref's "
           f"({tok_path}): it would read the policy's token ids as other words. Train it from "
           f"this π_ref (python reward.py --sft ...), or pick the π_ref it was trained from")
+
+
+def require_reward_model(path, flag, tok_path):
+    """An r_φ (`flag` picks it) must be one: a file saved with a scalar head, as reward.py saves
+    it (GPTConfig head "scalar", its score.weight and score.bias). A language model's file (sft.py
+    or dpo.py output, head "lm") would load under a fresh scalar head, zero by design (model.GPT),
+    so it would score every completion exactly 0. It must also read π_ref's token ids."""
+    try:
+        cfg, meta = read_meta(path)
+    except (ValueError, SafetensorError) as e:
+        raise SystemExit(f"error: {flag} {path} is not a model file of this project ({e})")
+    check(cfg.head == "scalar", f"{flag} {path} is not a reward model: it is a language model "
+          f"(head {cfg.head!r}, stage {meta.get('stage', '?')!r}), under which a fresh "
+          "scalar head would start at zero and score every completion 0. Pass reward.py's "
+          "model.safetensors (python reward.py writes out/reward/model.safetensors)")
+    require_same_tokenizer(path, flag, tok_path)
 
 
 def save_outputs(model, out_dir, meta, result, d, tokenizer=None):

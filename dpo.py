@@ -316,6 +316,17 @@ def setup(cfg, d, log):
         check(os.path.exists(cfg.init), f"--init {cfg.init} does not exist")
         require_same_tokenizer(cfg.init, "--init", tok_path)
     tok = data.load_tokenizer(tok_path)
+    # SimPO's γ is a target for β·(mean log-prob per token of y_w − that of y_l) (Eq. 6), so γ/β
+    # is a gap in nats per token. ln V is the gap between certainty (0 nats per token) and a
+    # uniform guess over the vocabulary (−ln V): a larger target asks the policy to push rejected
+    # tokens below chance, σ(γ − margin) stays near 1 for every pair, and γ then only adds to the
+    # loss (at γ 1e30 it reads 1e30 every step, which the guard, scaled to the first loss, passes).
+    gap = cfg.beta * math.log(tok.vocab_size)
+    check(not simpo or cfg.simpo_gamma <= gap, f"--simpo_gamma {cfg.simpo_gamma:g} is above "
+          f"--beta {cfg.beta:g} x ln V = {gap:.3f} (V = {tok.vocab_size}, π_ref's vocabulary): the "
+          "margin γ/β is in nats per token, and beyond ln V (certainty over a uniform guess) no "
+          f"pair can be asked to reach it; pass a γ in [0, {gap:.3f}] (SimPO's paper: 0.3 to 1.6 "
+          "at β 2 to 2.5)")
     rows = data.read_pairs(cfg.train_pairs)
     train, stats = data.tokenize_pairs(tok, rows, cfg.max_len, cfg.max_prompt_len, cfg.train_pairs)
     val, _ = data.tokenize_pairs(tok, data.read_pairs(cfg.val_pairs), cfg.max_len,

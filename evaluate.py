@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 import data
 import task
-from checkpoint import atomic_write_json, require_same_tokenizer, tokenizer_beside
+from checkpoint import atomic_write_json, require_reward_model, tokenizer_beside
 from model import IGNORE, generate, load_model, score_at_last, sequence_logprobs
 from plumbing import SEED_STRIDE, gathered, init_distributed, parse_config, reduce_sums, teardown
 
@@ -299,7 +299,7 @@ def main(cfg):
             raise SystemExit(f"error: {path} does not exist")
     tok_path = tokenizer_beside(cfg.ref, "--ref")
     if cfg.reward_model:  # asked for by name: a wrong one is an error, not a missing field
-        require_same_tokenizer(cfg.reward_model, "--reward_model", tok_path)
+        require_reward_model(cfg.reward_model, "--reward_model", tok_path)
     tok = data.load_tokenizer(tok_path)
     policy, _ = load_model(cfg.policy, d.device)
     ref, _ = load_model(cfg.ref, d.device)

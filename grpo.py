@@ -37,7 +37,7 @@ import torch
 import data
 import reward
 import sft
-from checkpoint import (input_fingerprint, prepare_outputs, require_same_tokenizer, resume,
+from checkpoint import (input_fingerprint, prepare_outputs, require_reward_model, resume,
                         save_checkpoint, save_outputs, stop_if_diverged, stop_if_not_finite,
                         tokenizer_beside)
 from evaluate import evaluate_held_out, print_samples, summary
@@ -45,11 +45,12 @@ from meter import (Meter, anatomy, estimate_flops, format_anatomy, generate_flop
                    measure_peak_flops, model_flops)
 from model import freeze, load_model, sequence_logprobs
 from plumbing import (Logger, SEED_STRIDE, all_reduce_sum, autocast, barrier, broadcast_weights,
-                      check, init_distributed, lr_at, parse_config, precision, require_stage,
-                      set_lr, sharded, split_batch, sync_grads, teardown, wrap)
+                      check, check_response_room, init_distributed, lr_at, parse_config,
+                      precision, require_stage, set_lr, sharded, split_batch, sync_grads, teardown,
+                      wrap)
 from ppo import MAX_APPROX_KL, gather_rollouts, kl_estimators, msum, replies, sample
 from ppo import score as ppo_score
-from task import bradley_terry, require_task, true_reward
+from task import bradley_terry, require_task, require_task_prompts, true_reward
 
 # ==== config
 
@@ -211,8 +212,10 @@ def setup(cfg, d, log):
     tok_path = tokenizer_beside(cfg.sft, "--sft")
     tok = data.load_tokenizer(tok_path)
     if cfg.reward == "model":
-        require_same_tokenizer(cfg.reward_model, "--reward_model", tok_path)
+        require_reward_model(cfg.reward_model, "--reward_model", tok_path)
     texts = data.read_prompts(cfg.prompts)
+    if cfg.reward != "model":
+        require_task_prompts(texts, f"--prompts {cfg.prompts}", f"--reward {cfg.reward}'s scorer")
     prompts, cut = data.encode_prompts(tok, texts, cfg.max_prompt_len)
     if cut:
         log(f"{cut} of {len(prompts)} prompts of {cfg.prompts} are longer than --max_prompt_len "
@@ -246,8 +249,7 @@ def load_models(cfg, d):
     rollout = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32)
     rollout.eval().requires_grad_(False)
     T = policy.config.block_size
-    check(cfg.max_prompt_len < T,
-          f"--max_prompt_len {cfg.max_prompt_len} leaves no room in the {T}-token block")
+    check_response_room(cfg.max_prompt_len, T)
     return SimpleNamespace(policy=policy, ref=ref, reward_model=reward_model, rollout=rollout,
                            trainer=wrap(policy, d, cfg.compile, cfg.fsdp))
 

@@ -41,7 +41,7 @@ import data
 import reward
 import sft
 from checkpoint import (check_step, input_fingerprint, last_checkpoint, prepare_outputs,
-                        require_same_tokenizer, resume, save_checkpoint, save_outputs,
+                        require_reward_model, resume, save_checkpoint, save_outputs,
                         tokenizer_beside)
 from dpo import dpo_loss
 from evaluate import evaluate_held_out, print_samples, summary
@@ -49,9 +49,10 @@ from meter import (Meter, anatomy, batch_flops, estimate_flops, format_anatomy, 
                    matmul_shapes, measure_peak_flops, model_flops)
 from model import freeze, generate, load_model, pair_logps, score_at_last
 from plumbing import (Logger, SEED_STRIDE, adamw, autocast, barrier, broadcast_weights, check,
-                      init_distributed, lr_at, parse_config, precision, reduce_sums, require_stage,
-                      set_lr, sharded, split_batch, sync_grads, teardown, wrap)
-from task import bradley_terry, require_task, true_reward
+                      check_response_room, init_distributed, lr_at, parse_config, precision,
+                      reduce_sums, require_stage, set_lr, sharded, split_batch, sync_grads,
+                      teardown, wrap)
+from task import bradley_terry, require_task, require_task_prompts, true_reward
 
 # ==== config
 
@@ -193,6 +194,11 @@ def sampling_flops(out, policy, reward_model):
 # at β 0.1: at most 9% of a round's pairs tie (0.35% over the 200 rounds). Under --reward oracle
 # two unfinished completions are a coin flip, not a tie: there the rule catches only a policy that
 # became deterministic.
+# The rule needs rounds of enough pairs: at that worst measured tie rate, a healthy round of n
+# pairs ties all of them by chance with probability up to 0.09^n: 7e-5 at n = 4 (1.3% in 200
+# rounds), 4e-9 at MIN_ROUND_PAIRS; a round of one pair would stop the run at its first tie.
+MIN_ROUND_PAIRS = 8
+
 PHASES = ("batch", "rollout", "reward", "reference", "policy_forward", "loss", "update",
           "broadcast")
 
@@ -206,6 +212,10 @@ def setup(cfg, d, log):
     check(cfg.reward in ("model", "true", "oracle"),
           f"--reward must be 'model', 'true' or 'oracle', not {cfg.reward!r}")
     check(cfg.beta > 0, f"--beta must be > 0, got {cfg.beta}")
+    check(cfg.rollout_batch >= MIN_ROUND_PAIRS, f"--rollout_batch {cfg.rollout_batch} is fewer "
+          f"than {MIN_ROUND_PAIRS} pairs a round: a round whose pairs all tie stops the run as "
+          f"collapsed, and {cfg.rollout_batch} healthy pairs can all tie by chance (up to 9% of a "
+          f"round's pairs do); pass --rollout_batch {MIN_ROUND_PAIRS} or more")
     prepare_outputs({cfg.out_dir: "--out_dir", os.path.join(cfg.out_dir, "ckpt"): "--out_dir"},
                     d, log)
     require_stage(cfg.sft, Config.sft, lambda: sft.main(sft.Config()), "python sft.py", d, log)
@@ -217,8 +227,10 @@ def setup(cfg, d, log):
     tok_path = tokenizer_beside(cfg.sft, "--sft")
     tok = data.load_tokenizer(tok_path)
     if cfg.reward == "model":
-        require_same_tokenizer(cfg.reward_model, "--reward_model", tok_path)
+        require_reward_model(cfg.reward_model, "--reward_model", tok_path)
     texts = data.read_prompts(cfg.prompts)
+    if cfg.reward != "model":
+        require_task_prompts(texts, f"--prompts {cfg.prompts}", f"--reward {cfg.reward}'s scorer")
     prompts, cut = data.encode_prompts(tok, texts, cfg.max_prompt_len)
     if cut:
         log(f"{cut} of {len(prompts)} prompts of {cfg.prompts} are longer than --max_prompt_len "
@@ -253,8 +265,7 @@ def load_models(cfg, d):
     rollout = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32)
     rollout.eval().requires_grad_(False)
     T = policy.config.block_size
-    check(cfg.max_prompt_len < T,
-          f"--max_prompt_len {cfg.max_prompt_len} leaves no room in the {T}-token block")
+    check_response_room(cfg.max_prompt_len, T)
     return SimpleNamespace(policy=policy, ref=ref, reward_model=reward_model, rollout=rollout,
                            trainer=wrap(policy, d, cfg.compile, cfg.fsdp))
 

@@ -34,6 +34,18 @@ SEED_STRIDE = 1_000_003
 # -----------------------------------------------------------------------------
 # distributed
 
+# How long a rank waits in a collective (or for the store) before it fails, unless DIST_TIMEOUT_S
+# (seconds) says otherwise. A rank that stopped answering (a frozen process, a dead host) holds
+# every other rank at its next collective; torch's default wait is 30 minutes under gloo (10 under
+# nccl). 5 minutes ends such a job in minutes and is still far above the longest wait a healthy
+# run has between two collectives. Those are rank 0's work alone while the others wait at a
+# barrier: building the missing task (task.require_task, 2 s measured), a checkpoint or a stage's
+# outputs written (the largest model here, GPT-2 small with AdamW state, is 1.5 GB: seconds), a
+# study's tables; and the skew of ranks doing the same work (sampling their share in evaluation,
+# torch.compile's first compile), a fraction of that work. Missing stages built on the way (sft.py,
+# reward.py, precompute.py) run on every rank, with collectives of their own.
+DIST_TIMEOUT_S = 300
+
 
 @dataclass
 class Dist:
@@ -61,14 +73,52 @@ def init_distributed():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     created = not dist.is_initialized()
-    # DIST_TIMEOUT_S: how long a rank waits in a collective (or for the store) before it fails with
-    # the collective named; unset, torch's default (30 min under gloo, 10 under nccl)
-    timeout = os.environ.get("DIST_TIMEOUT_S")
+    timeout = float(os.environ.get("DIST_TIMEOUT_S") or DIST_TIMEOUT_S)
     if created:  # device_id binds nccl's communicator to this rank's GPU now, not at first use
         dist.init_process_group(backend="nccl" if cuda else "gloo",
                                 device_id=device if cuda else None,
-                                timeout=timedelta(seconds=float(timeout)) if timeout else None)
+                                timeout=timedelta(seconds=timeout))
+        sys.excepthook = name_silent_ranks(sys.excepthook, rank, dist.get_world_size(), timeout)
     return Dist(rank, local_rank, dist.get_world_size(), device, rank == 0, created)
+
+
+def name_silent_ranks(hook, rank, world, timeout):
+    """sys.excepthook for a rank whose collective timed out: after `hook` (torch's, which prints the
+    traceback), one line naming the ranks that stopped answering. gloo's error names no peer, and
+    torchrun reports the rank that timed out as the root cause, not the one it waited for. A rank
+    that fails, whatever the error, checks in at the store (the launcher's, which outlives a frozen
+    rank); one that timed out waits for the others, which entered the same collective, give or
+    take their skew (or saw it close): a rank that does not check in within `grace` stopped."""
+    grace = min(timeout, 30.0)
+
+    def hook_and_name(kind, exc, tb):
+        hook(kind, exc, tb)
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=grace))
+            store.set(f"failed/{rank}", "1")  # this rank still answers
+            if not (isinstance(exc, RuntimeError) and "timed out" in str(exc).lower()):
+                return
+            end, silent = time.monotonic() + grace, list(range(world))
+            while silent and time.monotonic() < end:
+                silent = [r for r in silent if not store.check([f"failed/{r}"])]
+                time.sleep(0.2)
+        except Exception:  # the store gone too: the traceback above is all there is
+            return
+        waits = f"rank {rank} waited {timeout:g} s in a collective (DIST_TIMEOUT_S)"
+        if silent:
+            who = ", ".join(map(str, silent))
+            msg = (f"rank{'s' * (len(silent) > 1)} {who} stopped answering: {waits}, and rank "
+                   f"{who} did not report within {grace:g} s more (frozen, stopped by a signal, "
+                   "or stuck outside any collective). Look at what stopped it; a wait this long "
+                   "that is legitimate needs a larger DIST_TIMEOUT_S")
+        else:
+            msg = (f"every rank answered, but {waits}: they wait in different collectives, so "
+                   "one rank skipped a collective the others took (each must take part in every "
+                   "collective, in the same order), or a wait this long is legitimate: set "
+                   "DIST_TIMEOUT_S larger")
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    return hook_and_name
 
 
 # The groups that teardown ended, held until the interpreter exits (atexit runs while Python still
@@ -227,7 +277,8 @@ def require_stage(path, default, build, command, d, log):
 #     carries exp(−Δz/T)/T, which underflows as T → 0 (--temperature 1e-12 saved π_ref unchanged).
 #   label_smoothing < 0.5: at 0.5 a label says nothing, above it the labels are flipped.
 #   simpo_gamma ≥ 0: SimPO's target margin (its paper: 0.3 to 1.6); a negative one would count a
-#     pair the policy ranks the wrong way, by less than |γ|, as learned.
+#     pair the policy ranks the wrong way, by less than |γ|, as learned. Its upper bound, β·ln V,
+#     needs π_ref's vocabulary: dpo.setup checks it.
 #   max_len ≥ 3: BOS, one prompt token and one response token.
 AT_LEAST_1 = "[1, inf)"
 FLAG_RANGES = {
@@ -309,6 +360,22 @@ def split_batch(batch_size, micro_batch_size, world):
           f"--batch_size {batch_size} over {world} ranks is {per_rank} rows per rank, "
           f"not a multiple of --micro_batch_size {micro_batch_size}")
     return per_rank // min(micro_batch_size, per_rank)
+
+
+# The fewest tokens that π_ref's block must leave a sampled response past a prompt of
+# --max_prompt_len (ppo.py, grpo.py and online_dpo.py sample into what the prompt leaves): a
+# response is some words and its EOS. A floor, not a setting: with 8, a third of the built-in
+# task's pool responses fit with their EOS (the shortest are 5 tokens with it); with 1, every
+# completion is one token cut before its end, and the loop trains on those.
+MIN_RESPONSE_TOKENS = 8
+
+
+def check_response_room(max_prompt_len, block_size):
+    room = block_size - max_prompt_len
+    check(room >= MIN_RESPONSE_TOKENS, f"--max_prompt_len {max_prompt_len} leaves {room} tokens of "
+          f"π_ref's {block_size}-token block for the response, fewer than {MIN_RESPONSE_TOKENS} "
+          "(plumbing.MIN_RESPONSE_TOKENS: room for some words and their EOS): pass "
+          f"--max_prompt_len {block_size - MIN_RESPONSE_TOKENS} or less")
 
 
 # The folders this process holds locked, by real path, each by the run (its Dist) that took it and

@@ -29,17 +29,18 @@ import torch.nn.functional as F
 import data
 import reward
 import sft
-from checkpoint import (input_fingerprint, prepare_outputs, require_same_tokenizer, resume,
-                        save_checkpoint, save_outputs, stop_if_diverged, stop_if_not_finite,
-                        tokenizer_beside)
+from checkpoint import (input_fingerprint, prepare_outputs, require_reward_model,
+                        require_same_tokenizer, resume, save_checkpoint, save_outputs,
+                        stop_if_diverged, stop_if_not_finite, tokenizer_beside)
 from evaluate import evaluate_held_out, print_samples, summary
 from meter import (Meter, anatomy, estimate_flops, format_anatomy, generate_flops, matmul_shapes,
                    measure_peak_flops, model_flops)
 from model import IGNORE, freeze, generate, last_index, load_model, score_at_last, sequence_logprobs
 from plumbing import (Logger, SEED_STRIDE, all_gather_rows, all_reduce_sum, autocast, barrier,
-                      broadcast_weights, check, init_distributed, lr_at, parse_config, precision,
-                      require_stage, set_lr, sharded, split_batch, sync_grads, teardown, wrap)
-from task import require_task, true_reward
+                      broadcast_weights, check, check_response_room, init_distributed, lr_at,
+                      parse_config, precision, require_stage, set_lr, sharded, split_batch,
+                      sync_grads, teardown, wrap)
+from task import require_task, require_task_prompts, true_reward
 
 # ==== config
 
@@ -317,8 +318,12 @@ def setup(cfg, d, log):
                   cfg.val_prompts: Config.val_prompts}, d, log)
     tok_path = tokenizer_beside(cfg.sft, "--sft")
     tok = data.load_tokenizer(tok_path)
-    require_same_tokenizer(cfg.reward_model, "--reward_model", tok_path)  # the critic's start too
+    # the critic starts from it too: under --reward true (r_φ scores nothing) any trunk will do
+    (require_reward_model if cfg.reward == "model" else require_same_tokenizer)(
+        cfg.reward_model, "--reward_model", tok_path)
     texts = data.read_prompts(cfg.prompts)
+    if cfg.reward == "true":
+        require_task_prompts(texts, f"--prompts {cfg.prompts}", f"--reward {cfg.reward}'s scorer")
     prompts, cut = data.encode_prompts(tok, texts, cfg.max_prompt_len)
     if cut:
         log(f"{cut} of {len(prompts)} prompts of {cfg.prompts} are longer than --max_prompt_len "
@@ -353,8 +358,7 @@ def load_models(cfg, d):
     rollout = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32)
     rollout.eval().requires_grad_(False)
     T = policy.config.block_size
-    check(cfg.max_prompt_len < T,
-          f"--max_prompt_len {cfg.max_prompt_len} leaves no room in the {T}-token block")
+    check_response_room(cfg.max_prompt_len, T)
     policy_and_value = PolicyAndValue(policy, critic)
     return SimpleNamespace(policy=policy, critic=critic, ref=ref, reward_model=reward_model,
                            rollout=rollout, policy_and_value=policy_and_value,

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import data
-from plumbing import atomic_write_text, barrier, require_stage
+from plumbing import atomic_write_text, barrier, check, require_stage
 
 # The built-in task: a toy copy of the controlled-sentiment experiment of Rafailov et al. 2023,
 # sec. 6.1 (IMDb prefixes, a sentiment classifier as the true reward). A text is a short "review"
@@ -381,6 +381,14 @@ def task_prompts(prompts):
     only there does its hidden true reward mean anything. A prompt of 1 to 4 sentences, doubled,
     is a text of 2 to 8, which text_logprob gives a finite log-probability."""
     return all(math.isfinite(text_logprob(f"{p} {p}")) for p in set(prompts))
+
+
+def require_task_prompts(prompts, path, scorer):
+    """A loop whose `scorer` (its labeller, --reward true or oracle) is the hidden true reward
+    refuses prompts of another text (task_prompts), before it trains on a reward that means
+    nothing there; path names the file."""
+    check(task_prompts(prompts), f"{path}: {scorer} is the built-in task's hidden reward, which "
+          "scores only the task's text: pass its prompts (out/task/prompts_*.jsonl)")
 
 
 def task_pool_marks(prompts_path):

@@ -440,3 +440,106 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tiny, dpo_ca
     with pytest.raises(SystemExit, match=r"cannot write in .*a_file/sub \(Not a directory\): pick "
                                          "another --out_dir"):
         precompute.main(dpo_pcfg(tiny, out=str(tmp_path / "a_file" / "sub")))
+
+
+# ==================================================================================================
+# settings and inputs that trained to nothing: refused by name, before any step
+# ==================================================================================================
+
+def refused(script, args, out, cwd):
+    """Run `script args --out_dir out`; it must fail with one error line and no traceback, having
+    written nothing in out (at most its lock and an empty ckpt folder): returns that line."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args, "--out_dir", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, (script, p.stderr[-3000:])
+    written = [os.path.join(r, f) for r, _, fs in os.walk(out) for f in fs if f != ".lock"]
+    assert not written, (script, written)
+    return p.stderr.strip().splitlines()[-1]
+
+
+def loop_args(tiny, script):
+    """A tiny run's flags for the RL loop `script`, from the tiny π_ref on the built-in task."""
+    args = ["--sft", f"{tiny.sft}/model.safetensors", "--prompts",
+            f"{tiny.task}/prompts_train.jsonl", "--test_prompts", f"{tiny.task}/prompts_test.jsonl",
+            "--rollout_batch", "8", "--micro_batch_size", "2"]
+    # ppo.py's critic starts from r_φ, whose default would be built: π_ref's trunk, for --reward
+    # true (a test of --reward model passes its own)
+    return args + ([] if script == "online_dpo.py" else ["--mini_batch", "4"]) + (
+        ["--reward_model", args[1]] if script == "ppo.py" else [])
+
+
+def test_a_language_model_passed_as_the_reward_model_is_refused(tiny, tmp_path):
+    # a fresh scalar head on an LM's trunk is zero: it scored every completion 0 (grpo.py), and
+    # online DPO's pairs tied
+    lm = f"{tiny.sft}/model.safetensors"
+    says = (f"error: --reward_model {lm} is not a reward model: it is a language model (head "
+            "'lm', stage 'sft'), under which a fresh scalar head would start at zero and score "
+            "every completion 0. Pass reward.py's model.safetensors")
+    for script in ("grpo.py", "ppo.py", "online_dpo.py"):
+        args = loop_args(tiny, script) + ["--reward_model", lm]
+        assert refused(script, args, tmp_path / script, tmp_path).startswith(says), script
+    # PPO-GT: r_φ scores nothing; the critic may start from π_ref's own trunk
+    test = f"{tiny.task}/prompts_test.jsonl"
+    ppo.setup(tiny_ppo_config(tiny, lm, tmp_path / "gt", test, reward="true"), CPU, print)
+    (tmp_path / "notes.safetensors").write_text("not a model")
+    with pytest.raises(SystemExit, match="notes.safetensors is not a model file of this project"):
+        ppo.setup(tiny_ppo_config(tiny, str(tmp_path / "notes.safetensors"), tmp_path / "x",
+                                  test), CPU, print)
+
+
+def test_a_simpo_margin_past_certainty_over_chance_is_refused(tiny, dpo_cache, tmp_path):
+    # γ 1e30 read as a loss of 1e30 every step. The bound, by hand: β 2 x ln 403 (the tiny task's
+    # vocabulary) = 2 x 5.99894 = 11.998 nats; SimPO's paper's γ (0.3 to 1.6) is far inside it
+    V = json.loads(open(f"{tiny.sft}/tokenizer.json").read())["model"]["vocab"]
+    assert len(V) == 403  # PAD and EOS among them
+    c = dpo_cfg(tiny, "unused", loss="simpo", beta=2.0)
+    args = ["--ref_model", c.ref_model, "--train_pairs", c.train_pairs, "--val_pairs",
+            c.val_pairs, "--test_prompts", c.test_prompts, "--loss", "simpo", "--beta", "2"]
+    for gamma in ("1e+30", "12"):
+        said = refused("dpo.py", args + ["--simpo_gamma", gamma], tmp_path / gamma, tmp_path)
+        assert said == (f"error: --simpo_gamma {gamma} is above --beta 2 x ln V = 11.998 (V = 403, "
+                        "π_ref's vocabulary): the margin γ/β is in nats per token, and beyond ln V "
+                        "(certainty over a uniform guess) no pair can be asked to reach it; pass a "
+                        "γ in [0, 11.998] (SimPO's paper: 0.3 to 1.6 at β 2 to 2.5)"), said
+    dpo.setup(replace(c, simpo_gamma=11.997, out_dir=str(tmp_path / "inside")), CPU, print)
+
+
+def test_a_prompt_length_that_leaves_no_response_is_refused(tiny, tmp_path):
+    # 63 of a 64-token block sampled 1-token completions; 56 leaves the 8 a response needs
+    for script in ("grpo.py", "online_dpo.py", "ppo.py"):
+        args = loop_args(tiny, script) + ["--reward", "true", "--max_prompt_len"]
+        said = refused(script, args + ["63"], tmp_path / script, tmp_path)
+        assert said.startswith("error: --max_prompt_len 63 leaves 1 tokens of π_ref's 64-token "
+                               "block for the response, fewer than 8 ("), (script, said)
+        assert said.endswith("pass --max_prompt_len 56 or less"), said
+        assert refused(script, args + ["57"], tmp_path / script, tmp_path).startswith(
+            "error: --max_prompt_len 57 leaves 7 tokens")
+    for stage in (grpo, online_dpo, ppo):  # the floor itself is allowed
+        lm = f"{tiny.sft}/model.safetensors"
+        stage.load_models(stage.Config(sft=lm, reward_model=lm, reward="true", max_prompt_len=56),
+                          CPU)
+
+
+def test_the_hidden_reward_refuses_prompts_of_another_text(tiny, tmp_path):
+    # iterative_dpo.py's rule, in every loop whose scorer is the hidden reward
+    (tmp_path / "chat.txt").write_text("hello there , how are you ?\n" * 8)
+    chat = str(tmp_path / "chat.txt")
+    for script, scorer in (("grpo.py", "true"), ("grpo.py", "oracle"), ("online_dpo.py", "true"),
+                           ("online_dpo.py", "oracle"), ("ppo.py", "true")):
+        args = loop_args(tiny, script) + ["--reward", scorer, "--prompts", chat]
+        said = refused(script, args, tmp_path / f"{script}-{scorer}", tmp_path)
+        assert said == (f"error: --prompts {chat}: --reward {scorer}'s scorer is the built-in "
+                        "task's hidden reward, which scores only the task's text: pass its prompts "
+                        "(out/task/prompts_*.jsonl)"), said
+
+
+def test_online_dpo_refuses_rounds_too_small_for_its_collapse_rule(tiny, tmp_path):
+    # one pair a round: its first tie read as "the run collapsed"
+    for n in ("1", "7"):
+        args = loop_args(tiny, "online_dpo.py") + ["--reward", "true", "--rollout_batch", n,
+                                                   "--micro_batch_size", "1"]
+        said = refused("online_dpo.py", args, tmp_path / n, tmp_path)
+        assert said == (f"error: --rollout_batch {n} is fewer than 8 pairs a round: a round whose "
+                        f"pairs all tie stops the run as collapsed, and {n} healthy pairs can all "
+                        "tie by chance (up to 9% of a round's pairs do); pass --rollout_batch 8 or "
+                        "more"), said

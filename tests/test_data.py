@@ -283,9 +283,10 @@ def test_ppo_and_online_dpo_say_how_many_prompts_they_cut(tiny, tiny_rm, tmp_pat
     said = []
     cfg = tiny_ppo_config(tiny, str(tiny_rm / "model.safetensors"), tmp_path / "ppo", str(prompts),
                           prompts=str(prompts), max_prompt_len=12)
-    ocfg = online_dpo.Config(out_dir=str(tmp_path / "online"), sft=cfg.sft, reward="true",
-                             prompts=str(prompts), test_prompts=str(prompts), rollout_batch=8,
-                             max_prompt_len=12)
+    # r_φ labels: the hidden reward scores only the task's text, and "i loved it ." is not
+    ocfg = online_dpo.Config(out_dir=str(tmp_path / "online"), sft=cfg.sft,
+                             reward_model=cfg.reward_model, prompts=str(prompts),
+                             test_prompts=str(prompts), rollout_batch=8, max_prompt_len=12)
     for stage, c in ((ppo, cfg), (online_dpo, ocfg)):
         _, _, _, ids, _ = stage.setup(c, CPU, said.append)
         assert [len(x) for x in ids].count(12) == 1 and max(map(len, ids)) == 12

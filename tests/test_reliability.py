@@ -1,7 +1,8 @@
 """A run that goes wrong stops and says why, and what it leaves can be trusted: a non-finite or
 divergent run stops before the bad update and keeps its last good checkpoint; a resume refuses a
 checkpoint or a cache whose inputs changed, naming them; writes are atomic under a kill or a full
-disk, one run to a folder; a hung run is killed whole, and a rank left in a collective fails fast.
+disk, one run to a folder; a hung run is killed whole, a rank left in a collective fails fast,
+and a frozen rank ends the job in minutes, named.
 
     pytest tests/test_reliability.py
 """
@@ -12,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -641,7 +643,57 @@ def test_a_rank_left_in_a_collective_fails_fast_naming_it(tmp_path):
     assert re.search(r"\[rank0\]:.*in all_reduce_sum\n.*dist\.all_reduce", p.stderr)
     assert re.search(r"\[rank1\]:.*in barrier", p.stderr)
     assert "Timed out waiting 5000ms" in p.stderr
+    # and no rank is blamed: both answered, each from its own collective
+    assert "error: every rank answered, but rank " in p.stderr
+    assert "stopped answering" not in p.stderr
     assert not processes_naming(script)
+
+
+def test_a_frozen_rank_ends_the_job_and_is_named(tmp_path):
+    # rank 1 frozen (SIGSTOP) while both ranks take collectives in turn: rank 0 waits its
+    # DIST_TIMEOUT_S, then names rank 1, which never checked in (torchrun's summary blames rank 0,
+    # the one that timed out, and SIGKILLs the frozen rank 30 s after its SIGTERM went unheard)
+    script = rank_script(tmp_path / "turns.py", f"""import os, time
+import plumbing
+d = plumbing.init_distributed()
+plumbing.reduce_sums(d, n=1)
+open(f"{tmp_path}/pid.{{d.rank}}", "w").write(str(os.getpid()))
+for _ in range(600):
+    plumbing.reduce_sums(d, n=1)
+    time.sleep(0.1)
+print("rank", d.rank, "took every collective", flush=True)
+plumbing.teardown(d)
+""")
+
+    def freeze_rank_1():
+        while not (os.path.exists(tmp_path / "pid.0") and os.path.exists(tmp_path / "pid.1")):
+            time.sleep(0.1)
+        time.sleep(0.5)  # both ranks in the loop, a few collectives in
+        os.kill(int((tmp_path / "pid.1").read_text()), signal.SIGSTOP)
+    freezer = threading.Thread(target=freeze_rank_1, daemon=True)
+    freezer.start()
+    (p,) = run_whole([torchrun(script, [], ["--nproc_per_node=2", "--standalone"])], 150,
+                     {**torchrun_env(150), "DIST_TIMEOUT_S": "5"})
+    freezer.join(timeout=1)
+    assert not freezer.is_alive() and p.returncode != 0 and "took every" not in p.stdout, p.stderr
+    assert ("error: rank 1 stopped answering: rank 0 waited 5 s in a collective (DIST_TIMEOUT_S), "
+            "and rank 1 did not report within 5 s more") in p.stderr, p.stderr[-3000:]
+    assert not processes_naming(script)
+
+
+def test_the_default_collective_timeout_is_five_minutes(tmp_path):
+    # with DIST_TIMEOUT_S unset; torch's own would be 30 minutes under gloo
+    script = rank_script(tmp_path / "timeout.py", """import torch
+import torch.distributed as dist
+import plumbing
+d = plumbing.init_distributed()
+gloo = dist.group.WORLD._get_backend(torch.device("cpu"))
+print("timeout_s", gloo.options._timeout.total_seconds(), flush=True)
+plumbing.teardown(d)
+""")
+    env = {k: v for k, v in torchrun_env(90).items() if k != "DIST_TIMEOUT_S"}
+    (p,) = run_whole([torchrun(script, [], ["--nproc_per_node=1", "--standalone"])], 90, env)
+    assert p.returncode == 0 and "timeout_s 300.0\n" in p.stdout, p.stdout + p.stderr[-3000:]
 
 
 def test_teardown_exits_with_a_gloo_work_in_flight(tmp_path):
