@@ -205,8 +205,7 @@ def main(cfg):
                        cfg.test_prompts: Config.test_prompts,
                        cfg.val_prompts: Config.val_prompts}, d, log)
     prompts = data.read_prompts(cfg.prompts)
-    check(task.task_prompts(prompts), f"{cfg.prompts}: the labeller is the built-in task's hidden "
-          "reward, which scores only the task's text: pass its prompts (out/task/prompts_*.jsonl)")
+    task.require_task_prompts(prompts, cfg.prompts, "the labeller")
     tok = data.load_tokenizer(tokenizer_beside(cfg.sft))
     # what the rounds are trained from: π_ref, its tokenizer and the prompts (rounds.json keeps it)
     inputs = input_fingerprint({"--sft": cfg.sft, "tokenizer": tokenizer_beside(cfg.sft),

@@ -531,6 +531,11 @@ def test_the_hidden_reward_refuses_prompts_of_another_text(tiny, tmp_path):
         assert said == (f"error: --prompts {chat}: --reward {scorer}'s scorer is the built-in "
                         "task's hidden reward, which scores only the task's text: pass its prompts "
                         "(out/task/prompts_*.jsonl)"), said
+    args = ["--sft", f"{tiny.sft}/model.safetensors", "--prompts", chat, "--test_prompts",
+            f"{tiny.task}/prompts_test.jsonl", "--val_pairs", f"{tiny.task}/pairs_val.jsonl"]
+    said = refused("iterative_dpo.py", args, tmp_path / "iterative", tmp_path)
+    assert said == (f"error: {chat}: the labeller is the built-in task's hidden reward, which "
+                    "scores only the task's text: pass its prompts (out/task/prompts_*.jsonl)")
 
 
 def test_online_dpo_refuses_rounds_too_small_for_its_collapse_rule(tiny, tmp_path):
