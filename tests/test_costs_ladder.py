@@ -129,7 +129,7 @@ def test_counted_flops_of_simpo_and_of_iterative_dpo_as_run(tiny):
         assert costs.iteration_flops(c, job, **shapes[job]) == flops[job], job
 
 
-def test_simpo_is_timed_as_its_own_dpo_run(tiny):
+def test_simpo_is_timed_as_its_own_dpo_run(tiny, tiny_rm):
     # a slice of the task, so each timed run takes a second
     root, sft_file = tiny.root / "costs-ladder", f"{tiny.sft}/model.safetensors"
     os.makedirs(root / "task")
@@ -140,7 +140,8 @@ def test_simpo_is_timed_as_its_own_dpo_run(tiny):
                                       train_pairs=str(root / "task/pairs_train.jsonl"),
                                       val_pairs=str(root / "task/pairs_val.jsonl")))
     cfg = compare.Config(out_dir=str(root / "out"), task=str(root / "task"), sft=sft_file,
-                         reward_model=sft_file, ref_logps=str(root / "ref_logps"), rounds=1,
+                         reward_model=str(tiny_rm / "model.safetensors"),
+                         ref_logps=str(root / "ref_logps"), rounds=1,
                          time_steps=2)
     rounds = costs.timed_runs(cfg, init_distributed(), lambda s: None)
     assert list(rounds[0]) == ["ppo", "grpo", "online_dpo", "dpo_live", "dpo_cache", "simpo",

@@ -383,31 +383,21 @@ def test_ppo_refused_resume_changes_nothing(tiny, tiny_rm, ppo_test_prompts, tmp
     same_outputs(full.out_dir, part.out_dir)
 
 
-def test_grpo_refused_resume_changes_nothing(tiny, tmp_path):
+@pytest.mark.parametrize("stage, own, change, said", [
+    (grpo, dict(group_size=4, mini_batch=4), dict(group_size=2), r"another config \(group_size"),
+    (online_dpo, {}, dict(seed=7), r"another config \(seed 1337 ")], ids=["grpo", "online_dpo"])
+def test_grpo_and_online_dpo_refused_resume_changes_nothing(stage, own, change, said, tiny,
+                                                            tmp_path):
     test_prompts = four_test_prompts(tiny, tmp_path)
-    cfg = lambda n: grpo.Config(  # noqa: E731
+    full, part = (stage.Config(
         out_dir=str(tmp_path / n), sft=f"{tiny.sft}/model.safetensors", reward="true",
         reward_model="", prompts=f"{tiny.task}/prompts_train.jsonl", test_prompts=test_prompts,
-        iterations=2, rollout_batch=8, group_size=4, mini_batch=4, micro_batch_size=4, eval_k=1)
-    full, part = cfg("full"), cfg("part")
-    grpo.main(full)
-    grpo.main(replace(part, stop_after=1))
-    refused_changes_nothing(grpo.main, replace(part, group_size=2), r"another config \(group_size")
-    grpo.main(part)
-    same_outputs(full.out_dir, part.out_dir)
-
-
-def test_online_dpo_refused_resume_changes_nothing(tiny, tmp_path):
-    test_prompts = four_test_prompts(tiny, tmp_path)
-    cfg = lambda n: online_dpo.Config(  # noqa: E731
-        out_dir=str(tmp_path / n), sft=f"{tiny.sft}/model.safetensors", reward="true",
-        reward_model="", prompts=f"{tiny.task}/prompts_train.jsonl", test_prompts=test_prompts,
-        iterations=2, rollout_batch=8, micro_batch_size=4, eval_k=1)
-    full, part = cfg("full"), cfg("part")
-    online_dpo.main(full)
-    online_dpo.main(replace(part, stop_after=1))
-    refused_changes_nothing(online_dpo.main, replace(part, seed=7), r"another config \(seed 1337 ")
-    online_dpo.main(part)
+        iterations=2, rollout_batch=8, micro_batch_size=4, eval_k=1, **own)
+        for n in ("full", "part"))
+    stage.main(full)
+    stage.main(replace(part, stop_after=1))
+    refused_changes_nothing(stage.main, replace(part, **change), said)
+    stage.main(part)
     same_outputs(full.out_dir, part.out_dir)
 
 

@@ -243,7 +243,7 @@ def test_learning_curve_chunks_equal_the_uninterrupted_run_and_end_at_its_eval( 
     assert json.loads((out / "eval.json").read_text()) == ev
 
 
-def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
+def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny, tiny_rm):  # noqa: F811
     root = tiny.root / "compare-test"
     task = root / "task"  # a slice of the task, so every run takes a second or two
     os.makedirs(task)
@@ -256,7 +256,8 @@ def test_tiny_sweep_end_to_end_then_resumed_on_two_ranks(tiny):  # noqa: F811
                                       train_pairs=str(task / "pairs_train.jsonl"),
                                       val_pairs=str(task / "pairs_val.jsonl")))
     cfg = compare.Config(out_dir=str(root / "out"), task=str(task), sft=sft_file,
-                         reward_model=sft_file, ref_logps=str(root / "ref_logps"), betas="0.1",
+                         reward_model=str(tiny_rm / "model.safetensors"),
+                         ref_logps=str(root / "ref_logps"), betas="0.1",
                          dpo_lrs="1e-3", nll_betas="", kl_coefs="0.05", ppo_lrs="1e-4",
                          true_kl_coefs="", online_betas="", grpo_kl_coefs="0.05",
                          simpo_betas="2",
