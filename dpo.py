@@ -389,7 +389,7 @@ def main(cfg):
     tok, tok_path, train, val, inputs, (ref_train, ref_val), cache, file_steps = setup(
         cfg, d, log.print)
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
-    lengths = [data.longest_row(e) for e in train]  # to sort each batch by length
+    lengths = [data.longest_row(e) for e in train]  # to sort each shuffled batch by length
 
     policy, ref, model = load_models(cfg, d)  # model: what the loop calls (DDP, FSDP, compile)
 

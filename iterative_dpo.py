@@ -57,8 +57,8 @@ class Config:
     pairs: int = 1000  # labelled pairs per round: 4 × 1,000 is the offline pool's 4,000
     steps: int = 50  # dpo.py steps per round: 3.2 epochs of its pairs, as dpo.py's of the pool
     beta: float = 0.5  # the KL(π‖π_ref) constraint, as dpo.py's
-    # dpo.py's NLL term on the chosen response (RPO), every round: at 0 the policy stops ending
-    # its completions within 3 rounds (RESULTS.md, Exploration), and round 4 finds too few pairs
+    # dpo.py's NLL term on the chosen response (RPO), every round: it keeps up the chosen
+    # responses' EOS, so later rounds' policies still end the completions a pair needs
     rpo_alpha: float = 1.0
     lr: float = 1e-3  # each round's peak learning rate, warmup and cosine (dpo.py's)
     batch_size: int = 64  # pairs per step (dpo.py's)
@@ -73,8 +73,7 @@ class Config:
 # ==== the sampler and the labeller
 
 # Batches of cfg.pairs prompts a round may sample before it gives up. A policy that ends only a
-# fraction e of its completions keeps about e² of its pairs: at β 0.1 round 3's policy ended 48%,
-# so round 4 kept 893 of 4,000 prompts' pairs and needed a fifth batch. 16 covers e down to 1/4.
+# fraction e of its completions keeps about e² of its pairs: 16 batches cover e down to 1/4.
 MAX_BATCHES = 16
 # Round r's random streams, each seeded seed + SEED_STRIDE·r + its offset: the prompt order, the
 # labels, and batch b's token uniforms at TOKEN_SEEDS[b], the first batch's beside the labels' and
