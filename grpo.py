@@ -26,7 +26,6 @@ completion's tokens first (Eq. 3's 1/|o_i|). Dr. GRPO (Liu et al. 2025) drops bo
 (--no-scale_rewards) and the 1/|o_i|, each of which weighs some completions more than others.
 Writes out/grpo/: model.safetensors + tokenizer.json, metrics.jsonl, eval.json, ckpt/.
 """
-import copy
 import itertools
 import os
 from dataclasses import asdict, dataclass
@@ -44,13 +43,12 @@ from evaluate import evaluate_held_out, print_samples, summary
 from meter import (Meter, anatomy, estimate_flops, format_anatomy, generate_flops, matmul_shapes,
                    measure_peak_flops, model_flops)
 from model import freeze, load_model, sequence_logprobs
-from plumbing import (Logger, SEED_STRIDE, all_reduce_sum, autocast, barrier, broadcast_weights,
-                      check, check_response_room, init_distributed, lr_at, parse_config,
-                      precision, require_stage, set_lr, sharded, split_batch, sync_grads, teardown,
-                      wrap)
-from ppo import MAX_APPROX_KL, gather_rollouts, kl_estimators, msum, replies, sample
-from ppo import score as ppo_score
-from task import bradley_terry, require_task, require_task_prompts, true_reward
+from plumbing import (Logger, SEED_STRIDE, autocast, barrier, check, check_response_room,
+                      init_distributed, lr_at, parse_config, precision, require_stage, set_lr,
+                      sharded, split_batch, sync_grads, teardown, wrap)
+from ppo import MAX_APPROX_KL, gather_rollouts, kl_estimators, msum
+from services import RewardService, RolloutEngine, WeightSync, replies
+from task import require_task, require_task_prompts, true_reward
 
 # ==== config
 
@@ -134,38 +132,7 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, cliprange, kl_coef, n):
     return per_seq.sum() / n, clipfrac.detach(), approx_kl.detach(), kl_mean.detach()
 
 
-def oracle_scores(true, u, group_size):
-    """--reward oracle: each completion's share of Bradley-Terry wins against the others of its
-    group, drawn with the built-in task's labeller (task.bradley_terry) on the hidden reward. true
-    (R,) the hidden reward, u (R/G, G, G) uniforms: pair i < j of group g reads u[g, i, j]. A scalar
-    a person's pairwise verdicts give, noisy as the offline pool's labels are."""
-    G = group_size
-    wins = torch.zeros(len(true), dtype=torch.float64)
-    for g, (i, j) in itertools.product(range(len(true) // G), itertools.combinations(range(G), 2)):
-        a, b = g * G + i, g * G + j
-        wins[a if bradley_terry(float(u[g, i, j]), float(true[a]), float(true[b])) else b] += 1
-    return (wins / (G - 1)).to(true.dtype)
-
-
-# ==== helpers the loop calls: sample and replies are ppo.py's (one completion a row)
-
-
-def score(reward_model, ro, texts, idx, it, tok, cfg, d):
-    """The reward service on this rank's completions: r_φ's score at each response's last token,
-    the hidden true reward (--reward true) or the oracle's wins, which compare a group's members
-    and so read the whole global batch (all-reduced: any rank holds any part of a group). A
-    response without EOS gets missing_eos_score (ppo.py's rule; the oracle's draws see it too).
-    Returns (score (B,), has_eos (B,), scores (R,): every rank's, for the group baselines)."""
-    B, R = len(idx), cfg.rollout_batch
-    mine, has_eos = ppo_score(reward_model, ro, texts, idx, tok, cfg, d)  # ppo.py's service
-    scores = torch.zeros(R, device=d.device)
-    scores[d.rank * B:(d.rank + 1) * B] = mine
-    scores = all_reduce_sum(scores, d)
-    if cfg.reward == "oracle":  # +2: a stream of its own, the sampling's is +1
-        rng = torch.Generator().manual_seed(cfg.seed + SEED_STRIDE * it + 2)
-        u = torch.rand(R // cfg.group_size, cfg.group_size, cfg.group_size, generator=rng)
-        scores = oracle_scores(scores.cpu(), u, cfg.group_size).to(d.device)
-    return scores[d.rank * B:(d.rank + 1) * B], has_eos, scores
+# ==== helpers the loop calls: the services are services.py's
 
 
 def forward_flops(ro, policy, reward_model):
@@ -233,7 +200,7 @@ def setup(cfg, d, log):
 # ==== models resident in the training job
 
 
-def load_models(cfg, d):
+def load_models(cfg, d, tok):
     """Four of PPO's five: the policy trains; π_ref, r_φ (--reward model) and the rollout engine's
     copy of the policy only run forward. No critic. The frozen ones hold bf16 matmul weights under
     bf16 autocast (model.freeze) and are sharded too with --fsdp; the policy is wrapped for DDP
@@ -245,13 +212,12 @@ def load_models(cfg, d):
     if cfg.reward == "model":
         reward_model = wrap(freeze(load_model(cfg.reward_model, d.device, head="scalar")[0], bf16),
                             d, fsdp=cfg.fsdp)
-    # The rollout engine: an inference copy of the policy, as ppo.py's
-    rollout = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32)
-    rollout.eval().requires_grad_(False)
     T = policy.config.block_size
     check_response_room(cfg.max_prompt_len, T)
-    return SimpleNamespace(policy=policy, ref=ref, reward_model=reward_model, rollout=rollout,
-                           trainer=wrap(policy, d, cfg.compile, cfg.fsdp))
+    return SimpleNamespace(policy=policy, ref=ref, reward_model=reward_model,
+                           rollout=RolloutEngine(policy, d),
+                           reward=RewardService(reward_model, cfg.missing_eos_score, tok, d),
+                           sync=WeightSync(d), trainer=wrap(policy, d, cfg.compile, cfg.fsdp))
 
 
 def main(cfg):
@@ -261,14 +227,14 @@ def main(cfg):
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     accum = split_batch(cfg.mini_batch, cfg.micro_batch_size, d.world)
     n_mini, B = cfg.rollout_batch // cfg.mini_batch, cfg.rollout_batch // d.world
-    models = load_models(cfg, d)
+    models = load_models(cfg, d, tok)
     policy, rollout, reward_model = models.policy, models.rollout, models.reward_model
     T = policy.config.block_size
 
     # ==== anatomy: what the job holds and what a token costs
     resident = {"policy": policy, "reference": models.ref,
                 **({"reward": reward_model} if reward_model is not None else {}),
-                "rollout": rollout}
+                "rollout": rollout.model}
     fwd = lambda m: estimate_flops(m.config, 1, T) / T  # noqa: E731
     train_step = lambda m: estimate_flops(m.config, 1, T, backward=True) / T  # noqa: E731
     phase_flops = {"rollout": fwd(policy),
@@ -287,7 +253,7 @@ def main(cfg):
     start, _ = resume(ckpt_dir, cfg, parts, d.device, log.print, inputs,
                       free=("resume", "stop_after", "eval_k", "compile", "fsdp"))
     if start:
-        broadcast_weights(policy, rollout, d)  # the rollout engine resumes with the restored policy
+        models.sync.push(policy, rollout)  # the rollout engine resumes with the restored policy
     log.start(start)  # metrics.jsonl keeps the iterations up to `start`
     peak = measure_peak_flops(d.device, matmul_shapes(policy.config, B * T))
     scorer = {"model": f"r_φ {cfg.reward_model}", "true": "the hidden true reward",
@@ -342,12 +308,14 @@ def experience(models, prompts, texts, it, cfg, d, tok, meter):
 
     # -- rollout engine: each completion from the inference copy, with the KV cache; the
     # completions of a prompt draw different rows of uniforms, so a group holds different samples
-    ex = sample(models.rollout, prompts, batch, idx, it, cfg, d, tok)
+    ex = models.rollout.sample(prompts, batch, idx, it, cfg.seed, tok,
+                               temperature=cfg.temperature)
     tokens, mask, rmask, full, P = ex["tokens"], ex["mask"], ex["rmask"], ex["full"], ex["P"]
     meter.lap("rollout")
 
     # -- reward service: score each response, cut at its EOS (generate pads after it)
-    ex["score"], ex["has_eos"], scores = score(models.reward_model, ex, texts, idx, it, tok, cfg, d)
+    ex["score"], ex["has_eos"], scores = models.reward.score_groups(ex, [texts[i] for i in idx],
+                                                                    it, cfg)
     meter.lap("reward")
 
     # -- reference log-probs: log π_ref of the sampled tokens, for the loss's KL term
@@ -428,7 +396,7 @@ def update(models, opt, ex, it, accum, cfg, d, meter, ckpt_dir):
 def refresh(models, ex, tok, cfg, d, meter, metrics):
     """The new weights to the rollout engine, then the iteration's metrics, all ranks'."""
     # -- weight broadcast: the rollout engine samples the next iteration from the new policy
-    n_bytes, _ = broadcast_weights(models.policy, models.rollout, d)
+    n_bytes, _ = models.sync.push(models.policy, models.rollout)
     meter.lap("broadcast")
 
     # -- metrics and checkpoint: sums over the global batch. The hidden true reward is computed

@@ -29,7 +29,6 @@ on one process, where no pair tied: a tie is in this job's micro-batches, not in
 --order steps takes them in another order, so the policy that trains on a pair is no longer the
 one that sampled it.
 """
-import copy
 import os
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -47,11 +46,11 @@ from dpo import dpo_loss
 from evaluate import evaluate_held_out, print_samples, summary
 from meter import (Meter, anatomy, batch_flops, estimate_flops, format_anatomy, generate_flops,
                    matmul_shapes, measure_peak_flops, model_flops)
-from model import freeze, generate, load_model, pair_logps, score_at_last
-from plumbing import (Logger, SEED_STRIDE, adamw, autocast, barrier, broadcast_weights, check,
-                      check_response_room, init_distributed, lr_at, parse_config, precision,
-                      reduce_sums, require_stage, set_lr, sharded, split_batch, sync_grads,
-                      teardown, wrap)
+from model import freeze, load_model, pair_logps
+from plumbing import (Logger, SEED_STRIDE, adamw, autocast, barrier, check, check_response_room,
+                      init_distributed, lr_at, parse_config, precision, reduce_sums, require_stage,
+                      set_lr, sharded, split_batch, sync_grads, teardown, wrap)
+from services import RewardService, RolloutEngine, WeightSync
 from task import bradley_terry, require_task, require_task_prompts, true_reward
 
 # ==== config
@@ -109,21 +108,8 @@ def bradley_terry_labels(score_a, score_b, u, same):
     return torch.tensor(a_chosen, dtype=torch.bool, device=score_a.device), same
 
 
-# ==== helpers the loop calls: dpo_loss from dpo.py, pair_logps from model.py
-
-
-def sample(rollout, prompts, batch, idx, it, cfg, d, tok):
-    """Two completions per prompt of this rank's share idx of the global batch, from the rollout
-    engine's copy with the KV cache, rows [this rank's prompts; the same again]. Completion a of
-    global prompt j draws its tokens from row j of uniforms seeded by (seed, round), completion b
-    from row R + j, within the global batch's budget (ppo.py's rule): the same samples on any world
-    size. Returns generate()'s dict, (2B, L) each."""
-    R, B = cfg.rollout_batch, len(idx)
-    rng = torch.Generator().manual_seed(cfg.seed + SEED_STRIDE * it + 1)
-    n_new = rollout.config.block_size - max(len(prompts[i]) for i in batch)
-    U = torch.rand(2, R, n_new, generator=rng)[:, d.rank * B:(d.rank + 1) * B].flatten(0, 1)
-    mine = [prompts[i] for i in idx]
-    return generate(rollout, mine + mine, n_new, tok.eos, tok.pad, uniforms=U.to(d.device))
+# ==== helpers the loop calls: dpo_loss from dpo.py, pair_logps from model.py, the services
+# from services.py
 
 
 def label(scores, ys, it, cfg, d):
@@ -138,22 +124,6 @@ def label(scores, ys, it, cfg, d):
     u = torch.rand(cfg.rollout_batch, generator=rng)[d.rank * B:(d.rank + 1) * B]
     same = torch.tensor([a == b for a, b in zip(ys[:B], ys[B:])], device=d.device)
     return bradley_terry_labels(scores[:B], scores[B:], u.to(d.device), same)
-
-
-def score(reward_model, out, ys, texts, tok, cfg, d):
-    """The reward service: r_φ's score of each completion (or the hidden true reward, which the
-    oracle's draw reads too). No EOS (the block ran out): missing_eos_score instead, ppo.py's rule
-    (lm-human-preferences'), so an unfinished completion loses to a finished one that r_φ scores
-    above it (the oracle: with σ of the difference), and two unfinished ones tie (the oracle: a
-    coin flip). Returns (score (2B,), has_eos (2B,))."""
-    if reward_model is not None:
-        with torch.no_grad(), autocast(d.device):
-            raw = score_at_last(reward_model(out["tokens"], mask=out["mask"]).float(), out["mask"])
-    else:
-        raw = torch.tensor([true_reward(t, tok.decode(y)) for t, y in zip(texts * 2, ys)],
-                           device=d.device)
-    has_eos = torch.tensor([y[-1] == tok.eos for y in ys], device=d.device)
-    return torch.where(has_eos, raw.float(), cfg.missing_eos_score), has_eos
 
 
 def stepped_pairs(ex, it, tok, d):
@@ -247,7 +217,7 @@ def setup(cfg, d, log):
 # ==== models resident in the training job
 
 
-def load_models(cfg, d):
+def load_models(cfg, d, tok):
     """Four of PPO's five: the policy trains; π_ref, r_φ and the rollout engine's copy of the
     policy run forward only. The critic stays gone. Dropout off (model.load_model), so the policy's
     log π equals log π_ref exactly in round 1, as in dpo.py. The frozen ones hold bf16 matmul
@@ -260,14 +230,12 @@ def load_models(cfg, d):
     if cfg.reward == "model":
         reward_model = wrap(freeze(load_model(cfg.reward_model, d.device, head="scalar")[0], bf16),
                             d, fsdp=cfg.fsdp)
-    # The rollout engine: an inference copy of the policy, all bf16 under bf16 autocast (as vLLM
-    # serves it), refreshed by broadcast_weights after every update
-    rollout = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32)
-    rollout.eval().requires_grad_(False)
     T = policy.config.block_size
     check_response_room(cfg.max_prompt_len, T)
-    return SimpleNamespace(policy=policy, ref=ref, reward_model=reward_model, rollout=rollout,
-                           trainer=wrap(policy, d, cfg.compile, cfg.fsdp))
+    return SimpleNamespace(policy=policy, ref=ref, reward_model=reward_model,
+                           rollout=RolloutEngine(policy, d),
+                           reward=RewardService(reward_model, cfg.missing_eos_score, tok, d),
+                           sync=WeightSync(d), trainer=wrap(policy, d, cfg.compile, cfg.fsdp))
 
 
 def main(cfg):
@@ -277,14 +245,14 @@ def main(cfg):
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     accum = split_batch(cfg.rollout_batch, cfg.micro_batch_size, d.world)
     B = cfg.rollout_batch // d.world  # this rank's prompts, and so its pairs
-    models = load_models(cfg, d)
+    models = load_models(cfg, d, tok)
     policy, reward_model = models.policy, models.reward_model
     T = policy.config.block_size
 
     # ==== anatomy: what the job holds and what a token costs
     resident = {"policy": policy, "reference": models.ref,
                 **({"reward": reward_model} if reward_model is not None else {}),
-                "rollout": models.rollout}
+                "rollout": models.rollout.model}
     layout = anatomy(resident, T)
     log.print(format_anatomy(layout, T))
     log.print("back from PPO: rollout engine, reward service, live reference, weight broadcast | "
@@ -304,7 +272,7 @@ def main(cfg):
                           inputs, free=("resume", "stop_after", "eval_k", "compile", "fsdp"))
     first_loss = state.get("first_loss")  # the divergence guard's scale: the loss at π = π_ref
     if start:
-        broadcast_weights(policy, models.rollout, d)  # the rollout engine resumes with the policy
+        models.sync.push(policy, models.rollout)  # the rollout engine resumes with the policy
     log.start(start)  # metrics.jsonl keeps the rounds up to `start`
     stepped = Logger(cfg.out_dir, d, "pairs.jsonl")  # the pairs of the rounds up to `start`, too
     stepped.start(start)
@@ -355,15 +323,17 @@ def experience(models, prompts, texts, it, accum, cfg, d, tok, meter):
     meter.lap("batch")
 
     # -- rollout engine: two completions per prompt from the inference copy, with the KV cache
-    out = sample(models.rollout, prompts, batch, idx, it, cfg, d, tok)
-    B, out["P"] = len(idx), max(len(prompts[i]) for i in idx)  # generate left-pads to P
+    out = models.rollout.sample(prompts, batch, idx, it, cfg.seed, tok, per_prompt=2)
+    B = len(idx)
     meter.lap("rollout")
 
     # -- reward service: score each completion, cut at its EOS (generate pads after it); the
-    # higher score is chosen (--reward oracle: Bradley-Terry's draw), a tie weighs 0 in the loss
+    # higher score is chosen (--reward oracle: Bradley-Terry's draw), a tie weighs 0 in the loss.
+    # An unfinished completion scores missing_eos_score: it loses to a finished one scored above
+    # that, and two unfinished ones tie (the oracle: a coin flip)
     ys = [t[m].tolist() for t, m in zip(out["tokens"], out["response_mask"])]  # (2B,) token ids
     mine = [texts[i] for i in idx]
-    scores, has_eos = score(models.reward_model, out, ys, mine, tok, cfg, d)
+    scores, has_eos = models.reward.score(out, mine * 2)
     a_chosen, tied = label(scores, ys, it, cfg, d)
     pairs = [dict(index=j, prompt=prompts[i], chosen=a if w else b, rejected=b if w else a)
              for j, (i, a, b, w) in enumerate(zip(idx, ys[:B], ys[B:], a_chosen.tolist()))]
@@ -434,7 +404,7 @@ def refresh(models, ex, tok, cfg, d, meter, metrics):
     """The new weights to the rollout engine, then the round's metrics, all ranks': DPO's over the
     untied pairs, the samples' over all 2B."""
     # -- weight broadcast: the rollout engine samples the next round from the new policy
-    n_bytes, _ = broadcast_weights(models.policy, models.rollout, d)
+    n_bytes, _ = models.sync.push(models.policy, models.rollout)
     meter.lap("broadcast")
 
     # -- metrics and checkpoint: the hidden true reward is computed outside the timed phases, for

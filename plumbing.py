@@ -557,27 +557,3 @@ def clock(d):
         torch.cuda.synchronize(d.device)
     return time.perf_counter()
 
-
-def broadcast_weights(trainer, rollout_copy, d):
-    """Ship the trainer's weights to the rollout engine: rank 0 packs its parameters into one flat
-    buffer in the engine's dtype (bf16 on CUDA: half the bytes) and broadcasts it; every rank
-    unpacks it into its rollout copy. Returns (bytes per receiving rank, seconds). DDP keeps every
-    rank's trainer identical already, so this traffic stands for the real thing: a separate
-    inference server (vLLM in OpenRLHF or TRL) is refreshed so after every update. With --fsdp
-    every rank first all-gathers the whole fp32 weights (4 bytes per parameter, (world - 1) / world
-    of them received; at 7B on 8 ranks 24.5 GiB per rank, on top of 12.2 GiB broadcast in bf16)."""
-    t0 = time.perf_counter()
-    dst = list(rollout_copy.parameters())  # parameters() yields a tied weight once, in one order
-    sizes = [p.numel() for p in dst]
-    with gathered(trainer):
-        if d.rank == 0:
-            flat = torch.cat([p.detach().reshape(-1).to(dst[0].dtype)
-                              for p in trainer.parameters()])
-        else:
-            flat = torch.empty(sum(sizes), dtype=dst[0].dtype, device=d.device)
-    if d.world > 1:
-        dist.broadcast(flat, src=0)
-    with torch.no_grad():
-        for p, chunk in zip(dst, flat.split(sizes)):
-            p.copy_(chunk.view_as(p))
-    return flat.numel() * flat.element_size(), clock(d) - t0

@@ -16,7 +16,6 @@ file), the policy forward, a loss and the update. Writes out/ppo/: model.safeten
 tokenizer.json (the policy), metrics.jsonl, eval.json (true reward and KL against π_ref on held-out
 prompts) and a resumable checkpoint in ckpt/.
 """
-import copy
 import itertools
 import os
 from dataclasses import asdict, dataclass
@@ -35,11 +34,12 @@ from checkpoint import (input_fingerprint, prepare_outputs, require_reward_model
 from evaluate import evaluate_held_out, print_samples, summary
 from meter import (Meter, anatomy, estimate_flops, format_anatomy, generate_flops, matmul_shapes,
                    measure_peak_flops, model_flops)
-from model import IGNORE, freeze, generate, last_index, load_model, score_at_last, sequence_logprobs
+from model import IGNORE, freeze, last_index, load_model, sequence_logprobs
 from plumbing import (Logger, SEED_STRIDE, all_gather_rows, all_reduce_sum, autocast, barrier,
-                      broadcast_weights, check, check_response_room, init_distributed, lr_at,
-                      parse_config, precision, require_stage, set_lr, sharded, split_batch,
-                      sync_grads, teardown, wrap)
+                      check, check_response_room, init_distributed, lr_at, parse_config,
+                      precision, require_stage, set_lr, sharded, split_batch, sync_grads, teardown,
+                      wrap)
+from services import RewardService, RolloutEngine, WeightSync, replies
 from task import require_task, require_task_prompts, true_reward
 
 # ==== config
@@ -190,46 +190,6 @@ class PolicyAndValue(torch.nn.Module):
                 self.critic(idx, mask=mask))
 
 
-def sample(rollout, prompts, batch, idx, it, cfg, d, tok):
-    """One completion per prompt of this rank's share idx of the global batch, from the rollout
-    engine's copy with the KV cache. Rollout j of the global batch draws its tokens from row j of
-    uniforms seeded by (seed, iteration), within the global batch's token budget: the same rollouts
-    on any world size. Returns generate()'s dict plus P (generate left-pads the prompts to P
-    columns), the response columns resp and rmask (B, N), and full (B, L), the targets: column
-    c - 1 predicts the sampled token at column c."""
-    B = len(idx)
-    rng = torch.Generator().manual_seed(cfg.seed + SEED_STRIDE * it + 1)  # +1: not the update's
-    n_new = rollout.config.block_size - max(len(prompts[i]) for i in batch)
-    U = torch.rand(cfg.rollout_batch, n_new, generator=rng)[d.rank * B:(d.rank + 1) * B]
-    out = generate(rollout, [prompts[i] for i in idx], n_new, tok.eos, tok.pad,
-                   temperature=cfg.temperature, uniforms=U.to(d.device))
-    P = max(len(prompts[i]) for i in idx)
-    resp, rmask = out["tokens"][:, P:], out["response_mask"][:, P:]
-    full = F.pad(resp.masked_fill(~rmask, IGNORE), (P - 1, 1), value=IGNORE)
-    return {**out, "P": P, "resp": resp, "rmask": rmask, "full": full}
-
-
-def replies(tok, ro):
-    """The sampled responses as text, each cut at its EOS."""
-    return [tok.decode(y[m].tolist()) for y, m in zip(ro["resp"], ro["rmask"])]
-
-
-def score(reward_model, ro, texts, idx, tok, cfg, d):
-    """The reward service: r_φ's score at each response's last token (or the hidden true reward,
-    --reward true). A response without EOS (the block ran out) gets missing_eos_score instead,
-    lm-human-preferences' rule (N details): replaced, not lowered as TRL's missing_eos_penalty,
-    since r_φ never saw an unfinished response and its score there means nothing, and a
-    sum-of-words reward would still pay for rambling on. Returns (score (B,), has_eos (B,))."""
-    has_eos = ((ro["resp"] == tok.eos) & ro["rmask"]).any(1)
-    if reward_model is not None:
-        with torch.no_grad(), autocast(d.device):
-            raw = score_at_last(reward_model(ro["tokens"], mask=ro["mask"]).float(), ro["mask"])
-    else:
-        raw = torch.tensor([true_reward(texts[i], y) for i, y in zip(idx, replies(tok, ro))],
-                           device=d.device)
-    return torch.where(has_eos, raw, cfg.missing_eos_score), has_eos
-
-
 def forward_flops(ro, policy, critic, reward_model):
     """(executed, needed) FLOPs on this rank of an iteration's forwards before the update: the
     rollout (each real token but the last fed once, the head where a token is sampled), r_φ (a
@@ -339,12 +299,13 @@ def setup(cfg, d, log):
 # ==== models resident in the training job
 
 
-def load_models(cfg, d):
+def load_models(cfg, d, tok):
     """InstructGPT's five: the policy and the critic train; π_ref, r_φ and the rollout engine's copy
-    of the policy only run forward. The critic starts from r_φ (Ouyang et al. 2022 sec. 3.5). The
-    frozen ones hold bf16 matmul weights under bf16 autocast (model.freeze: the same outputs) and
-    are sharded too with --fsdp. Policy and critic train as one module (PolicyAndValue): DDP over
-    the ranks (--fsdp: each sharded in place), then torch.compile."""
+    of the policy only run forward (the services: services.py). The critic starts from r_φ (Ouyang
+    et al. 2022 sec. 3.5). The frozen ones hold bf16 matmul weights under bf16 autocast
+    (model.freeze: the same outputs) and are sharded too with --fsdp. Policy and critic train as
+    one module (PolicyAndValue): DDP over the ranks (--fsdp: each sharded in place), then
+    torch.compile."""
     bf16 = precision(d.device) == "bf16"
     policy = load_model(cfg.sft, d.device, head="lm")[0]
     ref = wrap(freeze(load_model(cfg.sft, d.device, head="lm")[0], bf16), d, fsdp=cfg.fsdp)
@@ -353,15 +314,13 @@ def load_models(cfg, d):
     if cfg.reward == "model":
         reward_model = wrap(freeze(load_model(cfg.reward_model, d.device, head="scalar")[0], bf16),
                             d, fsdp=cfg.fsdp)
-    # The rollout engine: an inference copy of the policy, all bf16 under bf16 autocast (as vLLM
-    # serves it), refreshed by broadcast_weights after every iteration's updates
-    rollout = copy.deepcopy(policy).to(torch.bfloat16 if bf16 else torch.float32)
-    rollout.eval().requires_grad_(False)
     T = policy.config.block_size
     check_response_room(cfg.max_prompt_len, T)
     policy_and_value = PolicyAndValue(policy, critic)
     return SimpleNamespace(policy=policy, critic=critic, ref=ref, reward_model=reward_model,
-                           rollout=rollout, policy_and_value=policy_and_value,
+                           rollout=RolloutEngine(policy, d),
+                           reward=RewardService(reward_model, cfg.missing_eos_score, tok, d),
+                           sync=WeightSync(d), policy_and_value=policy_and_value,
                            trainer=wrap(policy_and_value, d, cfg.compile, cfg.fsdp),
                            reward_model_val_accuracy=rm_meta.get("val_accuracy"))
 
@@ -373,7 +332,7 @@ def main(cfg):
     ckpt_dir = os.path.join(cfg.out_dir, "ckpt")
     accum = split_batch(cfg.mini_batch, cfg.micro_batch_size, d.world)
     n_mini, B = cfg.rollout_batch // cfg.mini_batch, cfg.rollout_batch // d.world
-    models = load_models(cfg, d)
+    models = load_models(cfg, d, tok)
     policy, critic, rollout = models.policy, models.critic, models.rollout
     T = policy.config.block_size
 
@@ -381,7 +340,7 @@ def main(cfg):
     reward_model = models.reward_model
     resident = {"policy": policy, "critic": critic, "reference": models.ref,
                 **({"reward": reward_model} if reward_model is not None else {}),
-                "rollout": rollout}
+                "rollout": rollout.model}
     fwd = lambda m: estimate_flops(m.config, 1, T) / T  # noqa: E731
     train_step = lambda m: estimate_flops(m.config, 1, T, backward=True) / T  # noqa: E731
     phase_flops = {"rollout": fwd(policy),
@@ -406,7 +365,7 @@ def main(cfg):
                           free=("resume", "stop_after", "eval_k", "compile", "fsdp"))
     kl_coef = state.get("kl_coef", cfg.kl_coef)
     if start:
-        broadcast_weights(policy, rollout, d)  # the rollout engine resumes with the restored policy
+        models.sync.push(policy, rollout)  # the rollout engine resumes with the restored policy
     log.start(start)  # metrics.jsonl keeps the iterations up to `start`
     peak = measure_peak_flops(d.device, matmul_shapes(policy.config, B * T))
     scorer = (f"r_φ {cfg.reward_model}" if reward_model is not None
@@ -464,12 +423,13 @@ def experience(models, prompts, texts, it, kl_coef, cfg, d, tok, meter):
     meter.lap("batch")
 
     # -- rollout engine: one completion per prompt from the inference copy, with the KV cache
-    ex = sample(models.rollout, prompts, batch, idx, it, cfg, d, tok)
+    ex = models.rollout.sample(prompts, batch, idx, it, cfg.seed, tok,
+                               temperature=cfg.temperature)
     tokens, mask, rmask, full, P = ex["tokens"], ex["mask"], ex["rmask"], ex["full"], ex["P"]
     meter.lap("rollout")
 
     # -- reward service: score each response, cut at its EOS (generate pads after it)
-    ex["score"], ex["has_eos"] = score(models.reward_model, ex, texts, idx, tok, cfg, d)
+    ex["score"], ex["has_eos"] = models.reward.score(ex, [texts[i] for i in idx])
     meter.lap("reward")
 
     # -- reference log-probs: log π_ref of the sampled tokens, from the resident π_ref
@@ -568,7 +528,7 @@ def update(models, opt, ex, it, accum, cfg, d, meter, ckpt_dir):
 def refresh(models, ex, tok, cfg, d, meter, kl_coef, metrics):
     """The new weights to the rollout engine, then the iteration's metrics, all ranks'."""
     # -- weight broadcast: the rollout engine samples the next iteration from the new policy
-    n_bytes, _ = broadcast_weights(models.policy, models.rollout, d)
+    n_bytes, _ = models.sync.push(models.policy, models.rollout)
     meter.lap("broadcast")
 
     # -- metrics and checkpoint: sums over the global batch. The hidden true reward is computed

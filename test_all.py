@@ -40,6 +40,7 @@ import plumbing
 import ppo
 import precompute
 import reward
+import services
 import sft
 import task as tasks  # the built-in task (`task` is a fixture's name in the suite)
 from meter import anatomy
@@ -1092,9 +1093,10 @@ def _broadcast_worker(rank, init_file, result_dir):
     torch.manual_seed(rank)  # the ranks' trainers differ: only rank 0's weights may arrive
     trainer = GPT(cfg)
     torch.manual_seed(100 + rank)
-    rollout = GPT(cfg).eval()
     d = Dist(rank, rank, 2, torch.device("cpu"), rank == 0, False)
-    n_bytes, seconds = ppo.broadcast_weights(trainer, rollout, d)
+    engine = services.RolloutEngine(GPT(cfg), d)
+    rollout = engine.model
+    n_bytes, seconds = services.WeightSync(d).push(trainer, engine)
     torch.manual_seed(0)
     want = GPT(cfg)  # rank 0's trainer, rebuilt
     same = all(torch.equal(a, b) for a, b in zip(rollout.state_dict().values(),
@@ -1242,13 +1244,13 @@ def test_ppo_loop_wiring(tiny, tiny_rm, tmp_path, monkeypatch):
                           gamma=0.9, lam=0.8, kl_coef=0.1, missing_eos_score=-3.0, eval_k=2)
     seen = {"gen": [], "gae": [], "pg": [], "vf": []}
 
-    def spy(name, f, keep):
+    def spy(name, f, keep, module=ppo):
         def g(*a, **kw):
             out = f(*a, **kw)
             seen[name].append(keep(a, kw, out))
             return out
-        monkeypatch.setattr(ppo, f.__name__, g)
-    spy("gen", ppo.generate, lambda a, kw, out: (copy.deepcopy(a[0]), a[1], kw, out))
+        monkeypatch.setattr(module, f.__name__, g)
+    spy("gen", services.generate, lambda a, kw, out: (copy.deepcopy(a[0]), a[1], kw, out), services)
     spy("gae", ppo.gae, lambda a, kw, out: a)
     spy("pg", ppo.ppo_policy_loss, lambda a, kw, out: (a[0].detach(), *a[1:4], *out[1:]))
     spy("vf", ppo.ppo_value_loss, lambda a, kw, out: (a[2][a[3]], a[4]))  # returns, clip
@@ -1434,12 +1436,12 @@ def test_grpo_oracle_scores_are_bradley_terry_wins_within_the_group():
     # > σ(2) = 0.88, 2 wins; pair (1,2): u 0.7 > σ(0) = 0.5, 2 wins. Wins 1, 0, 2 of 2 each.
     u = torch.zeros(1, 3, 3)
     u[0, 0, 1], u[0, 0, 2], u[0, 1, 2] = 0.0, 0.99, 0.7
-    got = grpo.oracle_scores(torch.tensor([2.0, 0.0, 0.0]), u, 3)
+    got = services.oracle_scores(torch.tensor([2.0, 0.0, 0.0]), u, 3)
     assert got.tolist() == [0.5, 0.0, 1.0]
     # each group reads its own draw, u 0.9 for both: σ(0 - 5) < 0.9, so the first group's second
     # wins; σ(5 - 0) = 0.993 > 0.9, so the second group's first wins
     u2 = torch.full((2, 2, 2), 0.9)
-    assert grpo.oracle_scores(torch.tensor([0.0, 5.0, 5.0, 0.0]), u2, 2).tolist() == [
+    assert services.oracle_scores(torch.tensor([0.0, 5.0, 5.0, 0.0]), u2, 2).tolist() == [
         0.0, 1.0, 1.0, 0.0]
 
 
@@ -1456,7 +1458,8 @@ def test_grpo_reward_service_scores_an_unfinished_completion_missing_eos_score(t
     rmask = prefix_mask([len(y) for y in ids], N)
     ro = dict(resp=resp, rmask=rmask, tokens=resp, mask=rmask)
     cfg = grpo.Config(reward="true", rollout_batch=3, group_size=3)
-    mine, has_eos, scores = grpo.score(None, ro, texts, [0, 0, 0], 0, tok, cfg, init_distributed())
+    service = services.RewardService(None, cfg.missing_eos_score, tok, init_distributed())
+    mine, has_eos, scores = service.score_groups(ro, texts * 3, 0, cfg)
     assert has_eos.tolist() == [True, False, True]
     want = [tasks.true_reward(texts[0], ys[0]), -1.0, tasks.true_reward(texts[0], ys[2])]
     assert mine.tolist() == pytest.approx(want) and scores.tolist() == pytest.approx(want)
@@ -1480,8 +1483,9 @@ def test_grpo_first_ratio_is_one_and_any_micro_batching_gives_one_update(tiny, t
     prompts = tmp_path / "eval.jsonl"
     prompts.write_text(json.dumps({"prompt": "the movie is"}) + "\n")
     runs, rm, batches = [], str(tiny_rm / "model.safetensors"), []
-    real_sample = grpo.sample
-    monkeypatch.setattr(grpo, "sample", lambda *a: batches.append(list(a[2])) or real_sample(*a))
+    real_sample = services.RolloutEngine.sample
+    monkeypatch.setattr(services.RolloutEngine, "sample",
+                        lambda *a, **kw: batches.append(list(a[2])) or real_sample(*a, **kw))
     for micro, scale in ((2, True), (1, True), (8, True), (2, False)):
         cfg = tiny_grpo_config(tiny, rm, tmp_path / f"grpo{micro}{scale}", str(prompts),
                                scale_rewards=scale)
@@ -1535,7 +1539,8 @@ def test_grpo_default_loss_has_its_kl_term_and_the_oracle_draws_its_own_uniforms
     # oracle: the Bradley-Terry labels' uniforms share no value with the sampling's, a stream of
     # their own, not the tokens' uniforms read again.
     losses, draws = [], []
-    real_loss, real_oracle, real_generate = grpo.grpo_loss, grpo.oracle_scores, ppo.generate
+    real_loss, real_oracle = grpo.grpo_loss, services.oracle_scores
+    real_generate = services.generate
 
     def spy_loss(*a):
         out = real_loss(*a)
@@ -1550,8 +1555,8 @@ def test_grpo_default_loss_has_its_kl_term_and_the_oracle_draws_its_own_uniforms
         draws[-1]["u"] = u
         return real_oracle(true, u, group_size)
     monkeypatch.setattr(grpo, "grpo_loss", spy_loss)
-    monkeypatch.setattr(ppo, "generate", spy_generate)
-    monkeypatch.setattr(grpo, "oracle_scores", spy_oracle)
+    monkeypatch.setattr(services, "generate", spy_generate)
+    monkeypatch.setattr(services, "oracle_scores", spy_oracle)
     grpo.main(tiny_grpo_config(tiny, "", tmp_path / "grpo", f"{tiny.task}/prompts_test.jsonl",
                                reward="oracle", lr=3e-3, iterations=3, stop_after=2))  # no eval
     assert len(draws) == 2 and len(losses) == 2 * 2 * 2 * 2  # iterations, epochs, minibatches,
@@ -1646,7 +1651,7 @@ def test_online_round_equals_dpo_step_on_the_same_pairs(tiny, monkeypatch):
              for j, r in enumerate(rows)}
     table[tuple(data.encode_prompt(tok, unfinished["prompt"]))] = tuple(  # cut before their EOS
         data.encode_response(tok, unfinished[k])[:-1] for k in ("chosen", "rejected"))
-    monkeypatch.setattr(online_dpo, "generate", fake_generate(table))
+    monkeypatch.setattr(services, "generate", fake_generate(table))
     same = dict(lr=1e-3, warmup=1, beta=0.5)  # and dpo.py's defaults for the rest, both sides
     online_dpo.main(online_dpo.Config(
         out_dir=str(root / "online"), sft=f"{tiny.sft}/model.safetensors",
@@ -1685,7 +1690,7 @@ def test_online_dpo_trains_on_the_log_probs_it_sampled_from(tiny, monkeypatch, t
     def spy_loss(pi_c, pi_r, ref_c, ref_r, *a, **kw):
         scored.append((torch.cat([pi_c, pi_r]).detach(), torch.cat([ref_c, ref_r])))
         return dpo.dpo_loss(pi_c, pi_r, ref_c, ref_r, *a, **kw)
-    monkeypatch.setattr(online_dpo, "generate", spy_generate)
+    monkeypatch.setattr(services, "generate", spy_generate)
     monkeypatch.setattr(online_dpo, "dpo_loss", spy_loss)
     online_dpo.main(online_dpo.Config(
         out_dir=str(tmp_path / "online"), sft=f"{tiny.sft}/model.safetensors", reward="true",
@@ -1716,7 +1721,7 @@ def watch_rounds(monkeypatch):
     def spy_experience(*a, **kw):
         rounds[-1]["ex"] = real_experience(*a, **kw)
         return rounds[-1]["ex"]
-    monkeypatch.setattr(online_dpo, "generate", spy_generate)
+    monkeypatch.setattr(services, "generate", spy_generate)
     monkeypatch.setattr(online_dpo, "bradley_terry_labels", spy_labels)
     monkeypatch.setattr(online_dpo, "experience", spy_experience)
     return rounds
@@ -1820,9 +1825,12 @@ def test_oracle_labels_are_bradley_terry_draws_on_the_hidden_reward():
     words = ["<eos>", *sorted(tasks.WEIGHTS)]
     tok = SimpleNamespace(eos=0, decode=lambda y: " ".join(words[i] for i in y if i))
     cfg = online_dpo.Config(missing_eos_score=-2.0)
-    ys = [[1, 2, 0], [1, 2]]  # the same words, the second cut before its EOS
     r = tasks.true_reward("", " ".join(words[1:3]))
-    scores, has_eos = online_dpo.score(None, None, ys, ["a prompt"], tok, cfg, CPU)
+    # the same words, the second cut before its EOS (masked off)
+    ro = dict(resp=torch.tensor([[1, 2, 0], [1, 2, 0]]),
+              rmask=torch.tensor([[True, True, True], [True, True, False]]))
+    scores, has_eos = services.RewardService(None, cfg.missing_eos_score, tok, CPU).score(
+        ro, ["a prompt"] * 2)
     assert scores.tolist() == [r, -2.0] and has_eos.tolist() == [True, False]
     u = torch.rand(n, generator=g)
     a_chosen, _ = online_dpo.bradley_terry_labels(scores[0].expand(n), scores[1].expand(n), u,

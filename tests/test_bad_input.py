@@ -517,7 +517,7 @@ def test_a_prompt_length_that_leaves_no_response_is_refused(tiny, tmp_path):
     for stage in (grpo, online_dpo, ppo):  # the floor itself is allowed
         lm = f"{tiny.sft}/model.safetensors"
         stage.load_models(stage.Config(sft=lm, reward_model=lm, reward="true", max_prompt_len=56),
-                          CPU)
+                          CPU, data.load_tokenizer(f"{tiny.sft}/tokenizer.json"))
 
 
 def test_the_hidden_reward_refuses_prompts_of_another_text(tiny, tmp_path):

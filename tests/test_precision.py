@@ -21,6 +21,7 @@ import online_dpo
 import plumbing
 import ppo
 import precompute
+import services
 from meter import anatomy, format_anatomy
 from model import GPT, GPTConfig, freeze, load_model, pair_logps, token_logprobs
 from plumbing import Dist
@@ -58,7 +59,7 @@ def bf16(request, monkeypatch):
     "cpu" with plumbing.precision replaced, so that the stages take their CUDA path's numerics
     there (bf16 autocast, bf16 frozen models and rollout copy, "bf16" in the cache fingerprint)."""
     if request.param == "cpu":
-        for mod in (plumbing, checkpoint, dpo, ppo, online_dpo, precompute):
+        for mod in (plumbing, checkpoint, dpo, ppo, online_dpo, precompute, services):
             monkeypatch.setattr(mod, "precision", lambda device: "bf16")
     return request.param
 
@@ -116,7 +117,7 @@ def load_state(into, model):
 def test_cache_of_another_precision_is_refused(tiny, dpo_cache, monkeypatch):
     cfg = dpo_cfg(tiny, "dpo-precision", steps=1)
     with monkeypatch.context() as m:  # a bf16 run finds the fp32 cache
-        for mod in (plumbing, checkpoint, dpo, ppo, online_dpo, precompute):
+        for mod in (plumbing, checkpoint, dpo, ppo, online_dpo, precompute, services):
             m.setattr(mod, "precision", lambda device: "bf16")
         with pytest.raises(SystemExit, match=r"stale.*the precision \(fp32 -> bf16\)\. Rebuild"):
             dpo.main(cfg)
