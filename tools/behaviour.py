@@ -2,11 +2,13 @@
 
     python tools/behaviour.py > before.txt      # from a clean checkout; about an hour on 2 cores
     python tools/behaviour.py --only dpo,grpo   # a subset, by the names below
+    python tools/behaviour.py --rev HEAD~3      # another commit's runs, to set beside these
 
-Each command runs in a fresh clone of HEAD (so nothing in the working tree's out/ is reused), one
-thread per process, and prints the sha256 of the model.safetensors and of the eval.json it wrote;
-eval.json is hashed without its timing fields (they differ run to run by the clock alone). A
-refactor that keeps behaviour prints the same lines.
+Each command runs in a fresh clone of HEAD (or --rev; so nothing in the working tree's out/ is
+reused), one thread per process, and prints the sha256 of the weights in the model.safetensors it
+wrote (each tensor's name and bytes, in name order: the file's own bytes also hold its metadata,
+whose key order may vary) and of the eval.json, without its timing fields (they differ run to run
+by the clock alone). A refactor that keeps behaviour prints the same lines.
 """
 import argparse
 import hashlib
@@ -15,6 +17,8 @@ import os
 import subprocess
 import sys
 import tempfile
+
+from safetensors.numpy import load_file
 
 RUNS = {  # name: (command, the folder it writes)
     "dpo": ("python dpo.py", "out/dpo"),
@@ -44,7 +48,9 @@ def sha(b):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--only", default=",".join(RUNS), help="comma-separated names of RUNS")
-    names = ap.parse_args().only.split(",")
+    ap.add_argument("--rev", default="HEAD", help="the commit whose runs to hash")
+    args = ap.parse_args()
+    names = args.only.split(",")
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -53,11 +59,13 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             clone = os.path.join(tmp, "clone")
             subprocess.run(["git", "clone", "-q", root, clone], check=True)
+            subprocess.run(["git", "-C", clone, "checkout", "-q", args.rev], check=True)
             done = subprocess.run(cmd, shell=True, cwd=clone, env=env, capture_output=True,
                                   text=True)
             if done.returncode:
                 sys.exit(f"{name}: `{cmd}` exited {done.returncode}:\n{done.stderr[-2000:]}")
-            model = open(os.path.join(clone, folder, "model.safetensors"), "rb").read()
+            tensors = load_file(os.path.join(clone, folder, "model.safetensors"))
+            model = b"".join(k.encode() + v.tobytes() for k, v in sorted(tensors.items()))
             ev = json.load(open(os.path.join(clone, folder, "eval.json")))
             ev = json.dumps(untimed(ev), sort_keys=True).encode()
             print(f"{name:16} model {sha(model)}  eval {sha(ev)}  ({cmd})", flush=True)
