@@ -69,6 +69,16 @@ def test_the_explained_bounds_refuse_just_outside_and_allow_the_bound(cls, flag,
 # iterative DPO: each round its own prompt order, tokens and labels (iterative_dpo.sample_pairs)
 # ==================================================================================================
 
+SCRIPTED_POLICY = SimpleNamespace(config=SimpleNamespace(block_size=64))  # generate is scripted
+
+
+def record_labels(monkeypatch, drawn):
+    """task.bradley_terry as it is, each uniform it reads appended to drawn["labels"]."""
+    label = tasks.bradley_terry
+    monkeypatch.setattr(tasks, "bradley_terry",
+                        lambda u, *a: drawn["labels"].append(u) or label(u, *a))
+
+
 def test_iterative_rounds_draw_their_own_prompts_tokens_and_labels(tiny, monkeypatch):
     # a scripted sampler: every completion ends and differs; what each round drew is recorded
     drawn, n = {}, itertools.count()
@@ -77,11 +87,9 @@ def test_iterative_rounds_draw_their_own_prompts_tokens_and_labels(tiny, monkeyp
     monkeypatch.setattr(iterative_dpo, "score_completions", lambda out, prompts, *a: (
         drawn["prompts"].extend(prompts) or [f"the plot {next(n)}" for _ in prompts],
         torch.ones(len(prompts), dtype=torch.bool), None, None))
-    label = tasks.bradley_terry
-    monkeypatch.setattr(tasks, "bradley_terry",
-                        lambda u, *a: drawn["labels"].append(u) or label(u, *a))
+    record_labels(monkeypatch, drawn)
     cfg = iterative_dpo.Config(pairs=4, micro_batch_size=4, seed=7)
-    policy = SimpleNamespace(config=SimpleNamespace(block_size=64))
+    policy = SCRIPTED_POLICY
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
     # prompts of one length, so that every batch draws uniforms of one shape
     by_len = {}
@@ -114,11 +122,9 @@ def test_iterative_batches_of_a_round_draw_their_own_prompts_and_tokens(tiny, mo
     monkeypatch.setattr(iterative_dpo, "score_completions", lambda out, prompts, *a: (
         drawn["prompts"].append(prompts[::2]) or [f"text {out[0]}.{i}" for i in range(8)],
         torch.tensor([[False] * 8, [True] * 4 + [False] * 4, [True] * 8][out[0]]), None, None))
-    label = tasks.bradley_terry
-    monkeypatch.setattr(tasks, "bradley_terry",
-                        lambda u, *a: drawn["labels"].append(u) or label(u, *a))
+    record_labels(monkeypatch, drawn)
     cfg = iterative_dpo.Config(pairs=4, micro_batch_size=8, seed=7)
-    policy = SimpleNamespace(config=SimpleNamespace(block_size=64))
+    policy = SCRIPTED_POLICY
     tok = data.load_tokenizer(f"{tiny.sft}/tokenizer.json")
     prompts = data.read_prompts(f"{tiny.task}/prompts_train.jsonl")[:16]
     assert len(set(prompts)) == 16
